@@ -1,0 +1,1 @@
+"""averaging layer (see DESIGN.md)."""

@@ -1,0 +1,73 @@
+"""The library's exception hierarchy: one root, and subclasses that say what went wrong.
+
+Every error that hivemind_ext raises on purpose derives from :class:`HivemindExtError`, so
+``except hivemind_ext.HivemindExtError`` catches all of them. Where a standard exception has the
+same meaning (a bad argument, a timeout), the subclass also derives from it, so code written
+against the standard types keeps working.
+"""
+
+from __future__ import annotations
+
+
+class HivemindExtError(Exception):
+    """Root of all errors raised by hivemind_ext."""
+
+
+class ConfigurationError(HivemindExtError, ValueError):
+    """An argument or a combination of arguments is invalid; raised at construction time."""
+
+
+class CompressionError(HivemindExtError, ValueError):
+    """A tensor cannot be compressed, or a compressed message is malformed and cannot be decoded."""
+
+
+class NonFiniteTensorError(CompressionError):
+    """A codec that cannot represent NaN or Inf was given a tensor that contains them."""
+
+
+class ProtocolError(HivemindExtError):
+    """A peer sent a message that violates the wire protocol (malformed, oversized, unexpected)."""
+
+
+class MessageTooLargeError(ProtocolError):
+    """A message or frame exceeds the configured maximum size."""
+
+
+class DeadlineExceededError(HivemindExtError, TimeoutError):
+    """A network wait ran past its deadline."""
+
+
+class PeerUnreachableError(HivemindExtError, ConnectionError):
+    """A peer could not be contacted, or disconnected before the exchange finished."""
+
+
+class RemoteError(HivemindExtError):
+    """A remote handler answered with an error; the message carries the remote side's description."""
+
+
+class MatchmakingError(HivemindExtError):
+    """No averaging group could be formed before the deadline."""
+
+
+class AllreduceError(HivemindExtError):
+    """An all-reduce round failed as a whole (not merely some peers excluded)."""
+
+
+class StateLoadError(HivemindExtError):
+    """Downloading the state from peers failed or every transfer was corrupted."""
+
+
+__all__ = [
+    "AllreduceError",
+    "CompressionError",
+    "ConfigurationError",
+    "DeadlineExceededError",
+    "HivemindExtError",
+    "MatchmakingError",
+    "MessageTooLargeError",
+    "NonFiniteTensorError",
+    "PeerUnreachableError",
+    "ProtocolError",
+    "RemoteError",
+    "StateLoadError",
+]

@@ -1,0 +1,1 @@
+"""optim layer (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""p2p layer (see DESIGN.md)."""
