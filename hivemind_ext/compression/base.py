@@ -103,8 +103,14 @@ class CompressedTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     params: Mapping[str, Any]
-    payload: torch.Tensor  # uint8, 1-D, contiguous, CPU
+    payload: torch.Tensor  # uint8, 1-D, contiguous; in host memory except right after Codec.encode
     writable: bool = True
+
+    def to_host(self) -> CompressedTensor:
+        """This message with its payload in host memory (one device-to-host copy of the compressed bytes)."""
+        if self.payload.device.type == "cpu":
+            return self
+        return dataclasses.replace(self, payload=self.payload.to("cpu"))
 
     @property
     def numel(self) -> int:
@@ -116,8 +122,12 @@ class CompressedTensor:
         return self.payload.numel() + len(self.header_bytes())
 
     def header(self) -> dict[str, Any]:
-        return {"codec": self.codec, "dtype": NAMES_BY_DTYPE[self.dtype], "shape": list(self.shape),
-                "params": dict(self.params)}
+        return {
+            "codec": self.codec,
+            "dtype": NAMES_BY_DTYPE[self.dtype],
+            "shape": list(self.shape),
+            "params": dict(self.params),
+        }
 
     def header_bytes(self) -> bytes:
         return msgpack.packb(self.header(), use_bin_type=True)
@@ -142,7 +152,9 @@ class CompressedTensor:
         try:
             view = memoryview(payload).cast("B")
         except TypeError as e:
-            raise CompressionError(f"payload must be a contiguous bytes-like object, got {type(payload).__name__}") from e
+            raise CompressionError(
+                f"payload must be a contiguous bytes-like object, got {type(payload).__name__}"
+            ) from e
         if view.nbytes == 0:
             tensor = torch.empty(0, dtype=torch.uint8)
         else:
@@ -215,17 +227,24 @@ class Codec(ABC):
 
     # ----- encoding (runs on the tensor's device)
 
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None,
-                 allow_inplace: bool = False) -> CompressedTensor:
+    def compress(
+        self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
+    ) -> CompressedTensor:
         """Compresses ``tensor`` on its own device and returns the message with the payload in host memory.
 
         :param info: the tensor's key, role and full shape; adaptive codecs and error feedback use it
         :param allow_inplace: the codec may overwrite ``tensor`` to save memory and time
         """
+        return self.encode(tensor, info, allow_inplace).to_host()
+
+    def encode(
+        self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
+    ) -> CompressedTensor:
+        """Like :meth:`compress`, but leaves the payload on the tensor's device (see ErrorFeedback)."""
         self.check_tensor(tensor)
         flat = tensor.detach().reshape(-1)
         payload, params = self._encode(flat, allow_inplace=allow_inplace and flat.data_ptr() == tensor.data_ptr())
-        return CompressedTensor(self.codec_id, tensor.dtype, tuple(tensor.shape), params, _to_host(payload))
+        return CompressedTensor(self.codec_id, tensor.dtype, tuple(tensor.shape), params, payload)
 
     def check_tensor(self, tensor: Any) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -305,8 +324,10 @@ def decompress(message: CompressedTensor, device: torch.device | str | None = No
         raise CompressionError("payload must be a 1-D uint8 tensor")
     if payload.numel() != expected:
         kind = "truncated" if payload.numel() < expected else "oversized"
-        raise CompressionError(f"{kind} payload for {message.codec} {list(message.shape)} {dtype}: "
-                               f"{payload.numel()} bytes, expected {expected}")
+        raise CompressionError(
+            f"{kind} payload for {message.codec} {list(message.shape)} {dtype}: "
+            f"{payload.numel()} bytes, expected {expected}"
+        )
     if device is not None and torch.device(device) != payload.device:
         payload = payload.to(device, non_blocking=payload.is_pinned())
     flat = codec_cls._decode(payload, numel, dtype, params)
@@ -317,12 +338,6 @@ def decompress(message: CompressedTensor, device: torch.device | str | None = No
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _to_host(payload: torch.Tensor) -> torch.Tensor:
-    if payload.device.type == "cpu":
-        return payload.contiguous()
-    return payload.to("cpu", non_blocking=False)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

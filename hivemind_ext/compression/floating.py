@@ -135,8 +135,10 @@ class ScaledFloat16Compression(Codec):
             sizes[-1] = numel % chunk
         stds = (square_sums / sizes).sqrt_().clamp_min_(FP32_EPS)
         if not bool(torch.isfinite(stds).all() & torch.isfinite(means).all()):
-            raise NonFiniteTensorError("ScaledFloat16Compression cannot encode NaN or Inf; use Float16Compression "
-                                       "or BFloat16Compression to carry them")
+            raise NonFiniteTensorError(
+                "ScaledFloat16Compression cannot encode NaN or Inf; use Float16Compression "
+                "or BFloat16Compression to carry them"
+            )
         std_body, std_tail = expand_per_chunk(stds, numel, chunk)
         body.div_(std_body)
         tail.div_(std_tail)
