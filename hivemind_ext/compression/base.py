@@ -240,10 +240,17 @@ class Codec(ABC):
     def encode(
         self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
     ) -> CompressedTensor:
-        """Like :meth:`compress`, but leaves the payload on the tensor's device (see ErrorFeedback)."""
+        """Like :meth:`compress`, but leaves the payload on the tensor's device (see ErrorFeedback).
+
+        The message never aliases ``tensor``'s memory unless ``allow_inplace`` is True.
+        """
         self.check_tensor(tensor)
-        flat = tensor.detach().reshape(-1)
-        payload, params = self._encode(flat, allow_inplace=allow_inplace and flat.data_ptr() == tensor.data_ptr())
+        tensor = tensor.detach()
+        flat = tensor.reshape(-1)
+        private_copy = flat.numel() > 0 and not _shares_memory(flat, tensor)  # reshape copied a strided tensor
+        payload, params = self._encode(flat, allow_inplace=allow_inplace or private_copy)
+        if not (allow_inplace or private_copy) and payload.numel() > 0 and _shares_memory(payload, tensor):
+            payload = payload.clone()  # e.g. NoCompression, or float16 input to Float16Compression
         return CompressedTensor(self.codec_id, tensor.dtype, tuple(tensor.shape), params, payload)
 
     def check_tensor(self, tensor: Any) -> None:

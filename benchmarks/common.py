@@ -1,0 +1,74 @@
+"""Shared plumbing for the benchmarks: timing, the machine description, and the final JSON line.
+
+Every benchmark ends its output with one JSON line:
+``{"benchmark": NAME, "results": [{"case", "metric", "ours", "hivemind", "speedup"}, ...]}``
+where ``speedup`` > 1 means hivemind_ext is better.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy
+import torch
+
+
+@dataclass
+class Result:
+    case: str
+    metric: str
+    ours: float | None
+    hivemind: float | None
+    speedup: float | None
+
+
+def higher_is_better(case: str, metric: str, ours: float | None, hivemind: float | None) -> Result:
+    """For throughputs: speedup = ours / hivemind."""
+    speedup = ours / hivemind if ours is not None and hivemind else None
+    return Result(case, metric, ours, hivemind, _round(speedup))
+
+
+def lower_is_better(case: str, metric: str, ours: float | None, hivemind: float | None) -> Result:
+    """For times and errors: speedup = hivemind / ours."""
+    speedup = hivemind / ours if ours and hivemind is not None else None
+    return Result(case, metric, ours, hivemind, _round(speedup))
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else float(f"{value:.4g}")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1, sync: Callable[[], None] | None = None):
+    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs (``sync`` waits for a device)."""
+    sync = sync or (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def describe_machine() -> str:
+    import hivemind
+
+    cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+    return (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, {cuda}; "
+        f"python {platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__}, "
+        f"hivemind {hivemind.__version__}"
+    )
+
+
+def emit(benchmark: str, results: list[Result]) -> None:
+    """Prints the closing JSON line of the output contract."""
+    print(json.dumps({"benchmark": benchmark, "results": [asdict(r) for r in results]}), flush=True)
