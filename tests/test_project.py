@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 from pathlib import Path
 
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parent.parent
 
 
