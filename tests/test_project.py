@@ -1,10 +1,9 @@
 """Checks on the project's own plumbing: the README's commands, CI, and package metadata."""
 
 import re
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parent.parent
