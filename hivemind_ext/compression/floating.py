@@ -2,13 +2,13 @@
 
 NaN and Inf: :class:`NoCompression`, :class:`Float16Compression` and :class:`BFloat16Compression`
 carry them through unchanged, so a receiver can detect a broken tensor. Finite values beyond the
-float16 range are clamped to its largest finite value (they never become Inf).
+float16 (bfloat16) range are clamped to its largest finite value (they never become Inf).
 :class:`ScaledFloat16Compression` cannot represent them and raises :class:`NonFiniteTensorError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,11 +38,18 @@ def view_bytes_as(section: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def to_float16_clamped(flat: torch.Tensor) -> torch.Tensor:
     """Casts to float16, clamping finite values to the float16 range while keeping NaN and +-Inf."""
-    half = flat.to(torch.float16)
-    if flat.dtype != torch.float16 and bool(torch.isinf(half).any()):
-        # rare path: some values overflowed (or were Inf already); clamp only the finite ones
-        clamped = flat.clamp(-FP16_MAX, FP16_MAX)
-        half = torch.where(torch.isinf(flat), flat, clamped).to(torch.float16)
+    return to_half_clamped(flat, torch.float16)
+
+
+def to_half_clamped(flat: torch.Tensor, half_dtype: torch.dtype) -> torch.Tensor:
+    """Casts to float16 or bfloat16, clamping finite values to its range while keeping NaN and +-Inf."""
+    half = flat.to(half_dtype)
+    limit = torch.finfo(half_dtype).max
+    if torch.finfo(flat.dtype).max > limit and bool(torch.isinf(half).any()):
+        # rare path: some finite values overflowed (or were Inf already); clamp only the finite ones,
+        # in half_dtype itself (bfloat16 cannot hold 65504, so clamping before the cast could still overflow)
+        overflowed = torch.isinf(half) & torch.isfinite(flat)
+        half.masked_fill_(overflowed & (flat > 0), limit).masked_fill_(overflowed & (flat < 0), -limit)
     return half
 
 
@@ -61,6 +68,9 @@ class NoCompression(Codec):
 
     @classmethod
     def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
+        if dtype == torch.bool and numel and bool((payload > 1).any()):
+            # a bool tensor holding other bytes than 0/1 breaks torch's invariants (True != True)
+            raise CompressionError("NoCompression: a bool payload holds bytes other than 0 and 1")
         return view_bytes_as(payload, dtype)
 
 
@@ -88,7 +98,7 @@ class BFloat16Compression(Codec):
     codec_id = "bfloat16"
 
     def _encode(self, flat: torch.Tensor, allow_inplace: bool) -> tuple[torch.Tensor, dict[str, Any]]:
-        return flat.to(torch.bfloat16).view(torch.uint8), {}
+        return to_half_clamped(flat, torch.bfloat16).view(torch.uint8), {}
 
     @classmethod
     def payload_nbytes(cls, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> int:
@@ -96,7 +106,15 @@ class BFloat16Compression(Codec):
 
     @classmethod
     def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
-        return view_bytes_as(payload, torch.bfloat16).to(dtype)
+        values = view_bytes_as(payload, torch.bfloat16)
+        # float16 tensors near +-65504 round up beyond float16's range in bfloat16: clamp, do not make Inf
+        return to_half_clamped(values, dtype) if dtype == torch.float16 else values.to(dtype)
+
+
+def _per_chunk(body: torch.Tensor, tail: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Applies a row reduction to split_chunks' (body [k, chunk], tail [r]) parts: [num_chunks] stats."""
+    stats = reduce(body)
+    return torch.cat([stats, reduce(tail.view(1, -1))]) if tail.numel() else stats
 
 
 class ScaledFloat16Compression(Codec):
@@ -123,22 +141,30 @@ class ScaledFloat16Compression(Codec):
         chunks = num_chunks(numel, chunk)
         x = flat.to(torch.float32, copy=not allow_inplace)
         body, tail = split_chunks(x, chunk)
-        means = torch.cat([body.mean(dim=1), tail.mean().view(1)]) if tail.numel() else body.mean(dim=1)
+        means = _per_chunk(body, tail, lambda rows: rows.mean(dim=1))
+        if not bool(torch.isfinite(means).all()):  # NaN / Inf in x, or finite values whose float32 sum overflows
+            if not bool(torch.isfinite(flat).all()):
+                raise NonFiniteTensorError(
+                    "ScaledFloat16Compression cannot encode NaN or Inf; use Float16Compression "
+                    "or BFloat16Compression to carry them"
+                )
+            if not bool(torch.isfinite(x).all()):
+                raise CompressionError("ScaledFloat16Compression: float64 values beyond the float32 range")
+            means = _per_chunk(body, tail, lambda rows: rows.mean(dim=1, dtype=torch.float64)).float()
         mean_body, mean_tail = expand_per_chunk(means, numel, chunk)
         body.sub_(mean_body)
         tail.sub_(mean_tail)
-        square_sums = body.square().sum(dim=1)
-        if tail.numel():
-            square_sums = torch.cat([square_sums, tail.square().sum().view(1)])
         sizes = torch.full((chunks,), float(chunk), device=x.device)
         if numel % chunk:
             sizes[-1] = numel % chunk
-        stds = (square_sums / sizes).sqrt_().clamp_min_(FP32_EPS)
-        if not bool(torch.isfinite(stds).all() & torch.isfinite(means).all()):
-            raise NonFiniteTensorError(
-                "ScaledFloat16Compression cannot encode NaN or Inf; use Float16Compression "
-                "or BFloat16Compression to carry them"
-            )
+        norms = _per_chunk(body, tail, lambda rows: torch.linalg.vector_norm(rows, dim=1))
+        stds = norms / sizes.sqrt()
+        if not bool(torch.isfinite(stds).all()):  # |x| beyond ~1e19: squares overflow float32
+            if not bool(torch.isfinite(x).all()):  # x - mean overflowed
+                raise CompressionError("ScaledFloat16Compression: values spread beyond the float32 range in a chunk")
+            norms = _per_chunk(body, tail, lambda rows: torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64))
+            stds = (norms / sizes.double().sqrt()).float()
+        stds.clamp_min_(FP32_EPS)
         std_body, std_tail = expand_per_chunk(stds, numel, chunk)
         body.div_(std_body)
         tail.div_(std_tail)

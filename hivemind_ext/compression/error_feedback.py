@@ -1,0 +1,181 @@
+"""Error feedback: carries each tensor's compression error over to its next compression.
+
+With a lossy codec ``C``, sending ``C(x_t)`` every step loses ``x_t - C(x_t)`` each time, and the
+losses add up. Error feedback keeps a residual ``r`` per tensor and sends ``C(x_t + r_t)`` with
+``r_{t+1} = (x_t + r_t) - C(x_t + r_t)``, so the sum of what was sent equals the sum of the inputs up
+to the last residual, which stays bounded by one step's compression error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from hivemind_ext.compression.adaptive import CodecWrapper
+from hivemind_ext.compression.base import Codec, CompressedTensor, CompressionInfo, Key, decompress
+from hivemind_ext.compression.floating import to_half_clamped
+from hivemind_ext.compression.resolve import as_codec
+from hivemind_ext.errors import CompressionError, ConfigurationError
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """The residual of one (key, part) and the lock that serialises its updates."""
+
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    residual: torch.Tensor | None = None  # in promote_types(dtype, float32), on the tensor's device
+    dtype: torch.dtype | None = None  # the dtype of the tensors this residual belongs to
+
+
+class ErrorFeedback(CodecWrapper):
+    """Wraps any codec (typically a lossy one) with per-tensor error feedback.
+
+    Residuals are kept per ``(info.key, info.part_index)``, on the tensor's device, in float32 (float64
+    for float64 tensors), so the error of casting float16/bfloat16 tensors is fed back as well.
+    Compressing without ``info`` uses the key None: all such tensors share one residual, which suits
+    one tensor compressed repeatedly; pass ``CompressionInfo(key=...)`` to keep several apart.
+    If the shape, dtype or device of a key's tensor changes, its residual is dropped with a warning.
+    Non-floating tensors pass through to the inner codec without error feedback.
+
+    Non-finite values never enter a residual: where the corrected input or its decoded value is NaN or
+    Inf (or their difference overflows), the residual is set to zero, so a NaN step is sent as the inner
+    codec sends it (carried, or raised as :class:`~hivemind_ext.errors.NonFiniteTensorError`) and later
+    steps are unaffected. If the inner codec raises, the residual is left as it was before the call.
+    Float16/bfloat16 values that ``x + residual`` pushes beyond the dtype's range are clamped to its
+    largest finite value; only sums beyond float32's (float64's) own range, near 3.4e38, become Inf.
+
+    Thread-safe: concurrent calls for one key are serialised, calls for different keys run in parallel.
+    """
+
+    def __init__(self, codec: Codec):
+        try:
+            self.codec = as_codec(codec)
+        except ConfigurationError as e:
+            raise ConfigurationError(f"ErrorFeedback(codec=...): {e}") from None
+        self._lock = threading.Lock()  # guards _slots (the dict, not the residuals)
+        self._slots: dict[tuple[Hashable, int], _Slot] = {}
+
+    def check_tensor(self, tensor: Any) -> None:
+        self.codec.check_tensor(tensor)
+
+    def compress(
+        self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
+    ) -> CompressedTensor:
+        """Compresses ``tensor`` plus its key's residual and updates the residual; payload in host memory."""
+        return self.encode(tensor, info, allow_inplace).to_host()
+
+    def encode(
+        self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
+    ) -> CompressedTensor:
+        """Like :meth:`compress`, but the payload stays on the tensor's device.
+
+        ``tensor`` is never modified (``allow_inplace`` is accepted for interface compatibility).
+        """
+        self.codec.check_tensor(tensor)
+        if not tensor.is_floating_point():
+            return self.codec.encode(tensor, info, allow_inplace)
+        slot = self._slot(_slot_key(info))
+        with slot.lock:
+            return self._encode_with_feedback(tensor.detach(), info, slot)
+
+    def _encode_with_feedback(self, x: torch.Tensor, info: CompressionInfo | None, slot: _Slot) -> CompressedTensor:
+        work_dtype = torch.promote_types(x.dtype, torch.float32)
+        residual = slot.residual
+        if residual is not None and (residual.shape != x.shape or residual.device != x.device or slot.dtype != x.dtype):
+            warnings.warn(
+                f"ErrorFeedback: tensor key {info.key if info else None!r} changed from "
+                f"{list(residual.shape)} {slot.dtype} on {residual.device} to {list(x.shape)} {x.dtype} on {x.device}; "
+                f"its residual is dropped",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            residual = None
+        corrected = x.to(work_dtype, copy=True) if residual is None else x + residual  # [x.shape], work_dtype
+        # the same tensor for float32/float64 inputs; half inputs near their largest value plus a residual
+        # must not overflow to Inf when cast back, so finite values are clamped to the dtype's range
+        to_send = to_half_clamped(corrected, x.dtype) if x.dtype in HALF_DTYPES else corrected.to(x.dtype)
+        # a half-precision to_send is a temporary of ours: the codec may reuse it; `corrected` is needed below
+        message = self.codec.encode(to_send, info, allow_inplace=to_send is not corrected)
+        decoded = decompress(message, device=x.device)  # while the payload is still on the device
+        if _shares_storage(message.payload, corrected) or _shares_storage(decoded, corrected):
+            new_residual = corrected - decoded  # e.g. NoCompression: the payload is `corrected` itself
+        else:
+            new_residual = corrected.sub_(decoded)
+        # NaN / Inf at a position (in the input, the decoded value, or an overflowing difference): drop its error
+        new_residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        slot.residual, slot.dtype = new_residual, x.dtype
+        return message
+
+    def _slot(self, key: tuple[Hashable, int]) -> _Slot:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+            return slot
+
+    def residual(self, key: Key = None, part_index: int = 0) -> torch.Tensor | None:
+        """The current residual of a tensor key (and part), or None if it has none."""
+        with self._lock:
+            slot = self._slots.get(_slot_key(CompressionInfo(key=key, part_index=part_index)))
+        if slot is None:
+            return None
+        with slot.lock:
+            return slot.residual
+
+    def reset(self, key: Key = None) -> None:
+        """Drops the residuals of ``key`` (all its parts), or of every key if ``key`` is None.
+
+        Residuals of tensors compressed without ``info`` (key None) are dropped by ``reset()``.
+        """
+        with self._lock:
+            slots = [slot for (slot_key, _), slot in self._slots.items() if key is None or slot_key == key]
+        for slot in slots:
+            with slot.lock:
+                slot.residual = slot.dtype = None
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.codec.estimate_compression_ratio(info)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles the codec and a snapshot of the residuals (locks are not picklable, and not shared)."""
+        with self._lock:
+            slots = list(self._slots.items())
+        residuals = {}
+        for key, slot in slots:
+            with slot.lock:
+                if slot.residual is not None:
+                    residuals[key] = (slot.residual, slot.dtype)
+        return {"codec": self.codec, "residuals": residuals}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.codec = state["codec"]
+        self._lock = threading.Lock()
+        self._slots = {
+            key: _Slot(residual=residual, dtype=dtype) for key, (residual, dtype) in state["residuals"].items()
+        }
+
+
+def _slot_key(info: CompressionInfo | None) -> tuple[Hashable, int]:
+    if info is None:
+        return (None, 0)
+    if not isinstance(info, CompressionInfo):
+        raise CompressionError(f"info must be a CompressionInfo or None, got {type(info).__name__}")
+    try:
+        hash(info.key)
+    except TypeError:
+        raise CompressionError(f"ErrorFeedback needs hashable tensor keys, got {info.key!r:.100}") from None
+    return (info.key, info.part_index)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+__all__ = ["ErrorFeedback"]
