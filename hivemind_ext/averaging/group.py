@@ -1,0 +1,319 @@
+"""Who averages with whom: the matchmaking configuration, the records peers publish, and the
+grouping rule, as pure functions of what the DHT returned and the clock.
+
+Nothing here touches the network; :mod:`hivemind_ext.averaging.group_protocol` turns these rules
+into one peer's state machine and :mod:`hivemind_ext.averaging.matchmaking` does the I/O. Keeping
+the rule pure lets tests check, over many generated boards, that every peer that sees the same
+records computes the same groups.
+
+The grouping rule (:func:`plan_groups`), applied to the peers that are looking for a group:
+
+- Peers are ranked by seniority (when they started looking, then peer id), so a newcomer never
+  changes the groups of the peers that came before it, and peers with slightly different views of
+  the DHT (one saw the newcomer, one did not) still agree on the senior groups.
+- Before anyone's scheduled time, only *full* groups (``target_group_size`` peers) form, at once,
+  from the most senior peers; the remainder keeps waiting for more peers. If that remainder would
+  be too small to ever form a group (fewer than ``min_group_size``), nobody forms a group yet: more
+  peers may come, and at the scheduled time everyone is split evenly instead, so no peer is left
+  alone when that can be avoided.
+- Once any looking peer's scheduled time has come, all looking peers are split into the fewest
+  groups of at most ``target_group_size`` whose sizes differ by at most one and are all at least
+  ``min_group_size``. Peers that cannot be placed are fewer than ``min_group_size``: they could
+  not have formed a group by themselves.
+- A group needs a member that accepts connections (not client mode) to own parts of the
+  all-reduce, and a member that is not auxiliary to bring tensors; members are swapped between
+  groups to satisfy this where possible, and groups that still cannot run are not formed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hivemind.p2p import PeerID
+
+from hivemind_ext.errors import ConfigurationError
+
+PeerKey = tuple[str, str]
+"""(peer id in base58, attempt token): one peer's one try at finding a group in one round."""
+
+POLLS_BEFORE_DEADLINE = 5
+"""A peer is not put into a new group when its deadline is fewer than this many polls away: the
+group would have to commit in less time than the confirmation round trip takes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatchmakingConfig:
+    """How one peer looks for averaging groups; hivemind's knobs keep their names and meaning.
+
+    :param prefix: peers average only with peers that use the same prefix (e.g. ``"run42_grads"``).
+    :param target_group_size: a group forms at once when this many peers are looking; ``None`` means
+        no limit: groups form only at the scheduled time, with every peer that is looking.
+    :param min_group_size: never form a group smaller than this.
+    :param min_matchmaking_time: default time from the start of matchmaking to the scheduled time,
+        after which a group smaller than ``target_group_size`` may form.
+    :param request_timeout: how long one protocol step may take: a declaration lives this long
+        without refresh (so a dead peer is forgotten after it), and a leader waits this long for
+        members to confirm.
+    :param poll_interval: pause between two reads of the DHT while waiting.
+    :param client_mode: this peer accepts no incoming connections (it owns no all-reduce part).
+    :param auxiliary: this peer brings no tensors and only helps to reduce.
+    :param bandwidth: declared to the group for load balancing; ``None``: the group's mean.
+    """
+
+    prefix: str
+    target_group_size: int | None = None
+    min_group_size: int = 2
+    min_matchmaking_time: float = 5.0
+    request_timeout: float = 3.0
+    poll_interval: float = 0.05
+    client_mode: bool = False
+    auxiliary: bool = False
+    bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix:
+            raise ConfigurationError(f"prefix must be a non-empty string, got {self.prefix!r}")
+        self._check_group_sizes()
+        self._check_times()
+        if self.client_mode and self.auxiliary:
+            raise ConfigurationError("an auxiliary peer must accept connections: it cannot be in client mode")
+        if self.bandwidth is not None and not (_is_number(self.bandwidth) and 0 <= self.bandwidth < math.inf):
+            raise ConfigurationError(f"bandwidth must be None or a finite non-negative number, got {self.bandwidth!r}")
+
+    def _check_group_sizes(self) -> None:
+        if not _is_int(self.min_group_size) or self.min_group_size < 1:
+            raise ConfigurationError(f"min_group_size must be a positive integer, got {self.min_group_size!r}")
+        if self.target_group_size is None:
+            return
+        if not _is_int(self.target_group_size) or self.target_group_size < 1:
+            raise ConfigurationError(
+                f"target_group_size must be None or a positive integer, got {self.target_group_size!r}"
+            )
+        if self.min_group_size > self.target_group_size:
+            raise ConfigurationError(
+                f"min_group_size ({self.min_group_size}) exceeds target_group_size ({self.target_group_size})"
+            )
+
+    def _check_times(self) -> None:
+        for name in ("min_matchmaking_time", "request_timeout", "poll_interval"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 <= value < math.inf:
+                raise ConfigurationError(f"{name} must be a finite non-negative number, got {value!r}")
+        if self.request_timeout <= 0 or self.poll_interval <= 0:
+            raise ConfigurationError("request_timeout and poll_interval must be positive")
+        # A declaration lives request_timeout and is refreshed from the polling loop once it has
+        # lost a third of that: polls must come often enough for the refresh to land in time.
+        if self.poll_interval > self.request_timeout / 4:
+            raise ConfigurationError(
+                f"poll_interval ({self.poll_interval}) must be at most request_timeout / 4 ({self.request_timeout / 4})"
+            )
+
+
+@dataclass(frozen=True)
+class Member:
+    """One peer in one attempt, as it declared itself; what the all-reduce needs to know about it."""
+
+    peer_id: str  # base58, as PeerID.to_base58()
+    attempt: str  # a token that is new for every attempt, so records of old rounds never match
+    bandwidth: float | None = None
+    client_mode: bool = False
+    auxiliary: bool = False
+
+    @property
+    def key(self) -> PeerKey:
+        return (self.peer_id, self.attempt)
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """A peer that is looking for a group: who it is, how senior it is, and how long it may wait."""
+
+    member: Member
+    prefix: str
+    declared_at: float  # when the peer started looking (kept across its retries): its seniority
+    ready_at: float  # its scheduled time: from then on, a group smaller than the target is acceptable
+    deadline: float  # it gives up at this time
+    expiration: float = -math.inf  # when the DHT forgets the record under this attempt (latest stored)
+
+
+@dataclass(frozen=True)
+class SealedGroup:
+    """A group proposed by its leader (``members[0]``): members are ordered by peer id."""
+
+    group_id: str  # hex digest of the member keys, see group_id_for
+    members: tuple[Member, ...]
+    commit_by: float  # the leader commits at the latest at this time, with whoever confirmed
+
+    @property
+    def leader(self) -> Member:
+        return self.members[0]
+
+    @property
+    def keys(self) -> frozenset[PeerKey]:
+        return frozenset(member.key for member in self.members)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The leader's final word on a sealed group: who is in it. No members: the group was abandoned."""
+
+    group_id: str
+    members: tuple[PeerKey, ...]
+
+
+@dataclass(frozen=True)
+class Board:
+    """Everything one read of the DHT returned for one prefix, parsed and stripped of expired records."""
+
+    declarations: Mapping[PeerKey, Declaration] = field(default_factory=dict)
+    markers: Mapping[PeerKey, str | None] = field(default_factory=dict)  # attempt -> group joined, None: left
+    sealed: Mapping[str, SealedGroup] = field(default_factory=dict)
+    commits: Mapping[str, Commit] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """An averaging group: every member receives the same id and the same ordered member list."""
+
+    group_id: bytes
+    members: tuple[Member, ...]
+
+    @property
+    def peer_ids(self) -> tuple[PeerID, ...]:
+        return tuple(PeerID.from_base58(member.peer_id) for member in self.members)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def index_of(self, peer_id: PeerID | str) -> int:
+        """Position of a peer in the member list; raises ValueError if it is not a member."""
+        wanted = peer_id.to_base58() if isinstance(peer_id, PeerID) else peer_id
+        for index, member in enumerate(self.members):
+            if member.peer_id == wanted:
+                return index
+        raise ValueError(f"{wanted} is not a member of group {self.group_id.hex()}")
+
+
+def group_id_for(members: Iterable[Member]) -> str:
+    """A group's id is derived from its members' attempt keys: two leaders can never seal different
+    member lists under one id, and the same peers in a later round get a new id."""
+    text = "\n".join(f"{peer}/{attempt}" for peer, attempt in sorted(member.key for member in members))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def is_open(group: SealedGroup, now: float, board: Board) -> bool:
+    """A sealed group still takes confirmations until its leader commits it or its commit time passes."""
+    return group.group_id not in board.commits and now <= group.commit_by
+
+
+def looking_peers(now: float, board: Board, config: MatchmakingConfig) -> list[Declaration]:
+    """The declarations that may be put into a new group, most senior first.
+
+    Skipped: other prefixes, expired records, peers too close to their deadline, and attempts that
+    an open sealed group or a commit already claims. A peer seen with several live attempts (an old
+    one it failed to withdraw) counts once, with the attempt it refreshed last.
+    """
+    claimed = {key for group in board.sealed.values() if is_open(group, now, board) for key in group.keys}
+    claimed.update(key for commit in board.commits.values() for key in commit.members)
+    latest: dict[str, Declaration] = {}
+    for declaration in board.declarations.values():
+        usable = (
+            declaration.prefix == config.prefix
+            and declaration.expiration > now
+            and declaration.deadline >= now + POLLS_BEFORE_DEADLINE * config.poll_interval
+            and declaration.member.key not in claimed
+        )
+        previous = latest.get(declaration.member.peer_id)
+        if usable and (previous is None or _freshness(declaration) > _freshness(previous)):
+            latest[declaration.member.peer_id] = declaration
+    return sorted(latest.values(), key=_seniority)
+
+
+def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingConfig) -> list[tuple[Declaration, ...]]:
+    """Split the looking peers into groups by the rule in the module docstring.
+
+    Every group is ordered by peer id; its first member is its leader. Input order does not matter.
+    """
+    ranked = sorted(looking, key=_seniority)
+    count = len(ranked)
+    if count == 0:
+        return []
+    target = config.target_group_size or count
+    if any(declaration.ready_at <= now for declaration in ranked):
+        groups = min(-(-count // target), count // config.min_group_size)
+        chosen = ranked[: min(count, groups * target)]
+    else:
+        groups, rest = divmod(count, target)
+        if config.target_group_size is None or 0 < rest < config.min_group_size:
+            return []  # no group is full yet, or forming the full ones would strand the rest
+        chosen = ranked[: groups * target]
+    split = _split_evenly(chosen, groups)
+    return [tuple(sorted(group, key=_member_order)) for group in _balance_roles(split)]
+
+
+def is_viable(members: Iterable[Member]) -> bool:
+    """A group can run an all-reduce: someone accepts connections and someone brings tensors."""
+    members = list(members)
+    return any(not m.client_mode for m in members) and any(not m.auxiliary for m in members)
+
+
+def _split_evenly(ranked: Sequence[Declaration], groups: int) -> list[list[Declaration]]:
+    """Consecutive runs of the ranking, sizes differing by at most one (larger runs first)."""
+    if groups <= 0:
+        return []
+    base, extra = divmod(len(ranked), groups)
+    runs, start = [], 0
+    for index in range(groups):
+        size = base + (1 if index < extra else 0)
+        runs.append(list(ranked[start : start + size]))
+        start += size
+    return runs
+
+
+def _balance_roles(groups: list[list[Declaration]]) -> list[list[Declaration]]:
+    """Swap members so every group is viable where possible; drop the groups that still are not."""
+    for group in groups:
+        if not is_viable(d.member for d in group):
+            _swap_into(group, groups)
+    return [group for group in groups if is_viable(d.member for d in group)]
+
+
+def _swap_into(needy: list[Declaration], groups: list[list[Declaration]]) -> None:
+    """Make ``needy`` viable by exchanging one member with another group that stays viable.
+
+    Tries the most junior members first, so the senior peers' groups change as little as possible.
+    """
+    for donor in groups:
+        if donor is needy or not is_viable(d.member for d in donor):
+            continue
+        for i in reversed(range(len(donor))):
+            for j in reversed(range(len(needy))):
+                new_donor = [*donor[:i], needy[j], *donor[i + 1 :]]
+                new_needy = [*needy[:j], donor[i], *needy[j + 1 :]]
+                if is_viable(d.member for d in new_donor) and is_viable(d.member for d in new_needy):
+                    donor[:], needy[:] = new_donor, new_needy
+                    return
+
+
+def _seniority(declaration: Declaration) -> tuple[float, str, str]:
+    return (declaration.declared_at, declaration.member.peer_id, declaration.member.attempt)
+
+
+def _freshness(declaration: Declaration) -> tuple[float, str]:
+    return (declaration.expiration, declaration.member.attempt)
+
+
+def _member_order(declaration: Declaration) -> tuple[str, str]:
+    return declaration.member.key
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

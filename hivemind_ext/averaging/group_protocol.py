@@ -1,0 +1,183 @@
+"""One peer's side of the matchmaking protocol as a pure state machine.
+
+:func:`step` takes the peer's state, the clock and one parsed read of the DHT, and returns the next
+state, the records to store, and the group once it is final. The I/O loop in
+:mod:`hivemind_ext.averaging.matchmaking` only reads, calls :func:`step`, writes and sleeps; tests
+run the same function over simulated, lagging DHT views. The protocol itself (phases, why it makes
+members agree, and its failure modes) is described in that module's docstring.
+
+States: :class:`Looking` (declared, waiting for a group), :class:`Leading` (sealed a group, waiting
+for confirmations), :class:`Following` (confirmed a sealed group, waiting for its commit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, replace
+
+from hivemind_ext.averaging.group import (
+    Board,
+    Commit,
+    Declaration,
+    GroupInfo,
+    MatchmakingConfig,
+    SealedGroup,
+    group_id_for,
+    is_open,
+    is_viable,
+    looking_peers,
+    plan_groups,
+)
+from hivemind_ext.averaging.group_board import Write, commit_write, declaration_write, marker_write, sealed_write
+
+RECORD_LIFETIME = 3  # in request timeouts: outlives the longest wait on a sealed group (commit_by + 1)
+REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left
+URGENT_POLL_FRACTION = 0.2  # share of poll_interval to wait between reads while a group is being formed
+
+
+@dataclass(frozen=True)
+class Looking:
+    """Declared (or about to be) and waiting for a group."""
+
+    declaration: Declaration
+
+
+@dataclass(frozen=True)
+class Leading:
+    """Sealed ``group`` as its leader; waiting for members to confirm, then commits."""
+
+    declaration: Declaration
+    group: SealedGroup
+
+
+@dataclass(frozen=True)
+class Following:
+    """Confirmed ``group``; waiting for its leader's commit."""
+
+    declaration: Declaration
+    group: SealedGroup
+
+
+State = Looking | Leading | Following
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step decided: the next state, records to store first (in this order), the group once
+    it is final, and whether the board is about to change (a group is being formed with this peer),
+    so that the next read should come sooner than ``poll_interval``."""
+
+    state: State
+    writes: tuple[Write, ...] = ()
+    group: GroupInfo | None = None
+    urgent: bool = False
+
+
+def step(state: State, now: float, board: Board, config: MatchmakingConfig) -> Step:
+    """Advance one peer's matchmaking by one read of the DHT."""
+    if isinstance(state, Looking):
+        return _step_looking(state.declaration, now, board, config)
+    if isinstance(state, Leading):
+        return _step_leading(state, now, board, config)
+    return _step_following(state, now, board, config)
+
+
+def withdrawal(state: State, now: float, config: MatchmakingConfig) -> tuple[Write, ...]:
+    """Records that take a peer out of matchmaking when it stops early (cancelled, deadline, error).
+
+    A looking or following peer marks its attempt as left: leaders stop counting on it. A leader also
+    commits its group as abandoned, so its followers look again at once instead of timing out.
+    """
+    _, left = _mark(state.declaration, None, now, config)
+    if isinstance(state, Leading):
+        return (left, commit_write(Commit(state.group.group_id, ()), _record_expiration(now, config)))
+    return (left,)
+
+
+def next_attempt(attempt: str) -> str:
+    """The token of a peer's next attempt: derived, so the state machine needs no randomness, and
+    unguessable to others as long as the first token was random."""
+    return hashlib.sha256(attempt.encode()).hexdigest()[:16]
+
+
+def _step_looking(me: Declaration, now: float, board: Board, config: MatchmakingConfig) -> Step:
+    # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
+    offers = [g for g in board.sealed.values() if me.member.key in g.keys and is_open(g, now, board)]
+    if offers:
+        group = min(offers, key=lambda g: g.group_id)  # any fixed tie-break; the other leaders see me leave
+        joined, confirm = _mark(me, group.group_id, now, config)
+        return Step(Following(joined, group), (confirm,), urgent=True)
+    me, refresh = _refresh(me, now, config)
+    overlay = {**board.declarations, me.member.key: me}  # my own declaration, even before the DHT shows it
+    peers = looking_peers(now, replace(board, declarations=overlay), config)
+    mine = next((group for group in plan_groups(now, peers, config) if me in group), None)
+    if mine is None or mine[0].member != me.member:
+        return Step(Looking(me), refresh, urgent=mine is not None)  # in a planned group: its leader seals soon
+    sealed = _seal(mine, now, config)
+    joined, confirm = _mark(me, sealed.group_id, now, config)
+    writes = (sealed_write(sealed, _record_expiration(now, config)), confirm)
+    return Step(Leading(joined, sealed), writes, urgent=True)
+
+
+def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingConfig) -> Step:
+    group, me = state.group, state.declaration.member
+    others = [m for m in group.members if m != me]
+    confirmed = {me.key} | {m.key for m in others if board.markers.get(m.key) == group.group_id}
+    waiting = any(m.key not in board.markers for m in others)  # has not seen the group yet, or is not visible
+    if waiting and now < group.commit_by:
+        return Step(state, urgent=True)
+    members = tuple(m for m in group.members if m.key in confirmed)
+    if len(members) < config.min_group_size or not is_viable(members):
+        members = ()
+    commit = commit_write(Commit(group.group_id, tuple(m.key for m in members)), _record_expiration(now, config))
+    if not members:
+        return _retry(state.declaration, now, config, (commit,))
+    return Step(state, (commit,), GroupInfo(bytes.fromhex(group.group_id), members))
+
+
+def _step_following(state: Following, now: float, board: Board, config: MatchmakingConfig) -> Step:
+    group, me = state.group, state.declaration
+    commit = board.commits.get(group.group_id)
+    if commit is not None:
+        keys = set(commit.members)
+        if me.member.key in keys:
+            members = tuple(m for m in group.members if m.key in keys)
+            return Step(state, (), GroupInfo(bytes.fromhex(group.group_id), members))
+        return _retry(me, now, config, ())
+    if now > group.commit_by + config.request_timeout:  # the leader is gone: leave, so a late commit skips me
+        _, left = _mark(me, None, now, config)
+        return _retry(me, now, config, (left,))
+    return Step(state, urgent=True)
+
+
+def _seal(group: tuple[Declaration, ...], now: float, config: MatchmakingConfig) -> SealedGroup:
+    members = tuple(d.member for d in group)
+    # Commit before the first member's deadline, leaving it one poll to read the commit.
+    commit_by = min(now + config.request_timeout, min(d.deadline for d in group) - config.poll_interval)
+    return SealedGroup(group_id_for(members), members, commit_by)
+
+
+def _retry(me: Declaration, now: float, config: MatchmakingConfig, writes: tuple[Write, ...]) -> Step:
+    """Look again under a new attempt, keeping seniority and times."""
+    fresh = replace(me, member=replace(me.member, attempt=next_attempt(me.member.attempt)), expiration=-math.inf)
+    fresh, declare = _refresh(fresh, now, config)
+    return Step(Looking(fresh), writes + declare)
+
+
+def _refresh(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[Declaration, tuple[Write, ...]]:
+    """(Re)declare when the stored declaration has lost a third of its lifetime; never past the deadline."""
+    if me.expiration >= me.deadline or me.expiration - now >= REFRESH_FRACTION * config.request_timeout:
+        return me, ()
+    me = replace(me, expiration=min(now + config.request_timeout, me.deadline))
+    return me, (declaration_write(me),)
+
+
+def _mark(me: Declaration, group_id: str | None, now: float, config: MatchmakingConfig) -> tuple[Declaration, Write]:
+    """Overwrite my attempt's record with a marker; it must expire strictly after what it replaces."""
+    expiration = max(_record_expiration(now, config), math.nextafter(me.expiration, math.inf))
+    return replace(me, expiration=expiration), marker_write(me.member.key, group_id, expiration)
+
+
+def _record_expiration(now: float, config: MatchmakingConfig) -> float:
+    return now + RECORD_LIFETIME * config.request_timeout

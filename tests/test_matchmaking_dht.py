@@ -1,0 +1,281 @@
+"""Matchmaking between real hivemind DHT peers on 127.0.0.1, all running in this test process.
+
+One swarm of eight DHTs (one of them in client mode) serves the whole module; every test uses its
+own prefix, so records of one test never meet another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from hivemind_ext.averaging.group import GroupInfo, MatchmakingConfig
+from hivemind_ext.averaging.group_board import board_key, parse_board
+from hivemind_ext.averaging.matchmaking import Matchmaker
+from hivemind_ext.errors import ConfigurationError, MatchmakingError
+
+pytestmark = pytest.mark.slow
+
+SWARM_SIZE = 8
+AUXILIARY, CLIENT = 6, 7  # roles of two peers of the swarm
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def start_dht(initial_peers: Sequence[str] = (), **kwargs) -> hivemind.DHT:
+    return hivemind.DHT(
+        start=True, await_ready=False, host_maddrs=LOOPBACK, initial_peers=list(initial_peers), **kwargs
+    )
+
+
+def wait_until_connected(dhts: Sequence[hivemind.DHT], timeout: float = 30.0) -> None:
+    """Every DHT must read what every other DHT stored: four local peers have been seen to form two
+    separate DHTs (hivemind issue 624), which would make matchmaking tests fail for the wrong reason."""
+    key = f"swarm-check-{secrets.token_hex(4)}"
+    for index, dht in enumerate(dhts):
+        assert dht.store(key, index, get_dht_time() + 120, subkey=index)
+    stop = time.monotonic() + timeout
+    for dht in dhts:
+        while True:
+            found = dht.get(key, latest=True)
+            if found is not None and len(found.value) == len(dhts):
+                break
+            assert time.monotonic() < stop, "the test swarm is not connected"
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[hivemind.DHT]]:
+    dhts = [hivemind.DHT(start=True, host_maddrs=LOOPBACK)]
+    try:
+        initial_peers = [str(maddr) for maddr in dhts[0].get_visible_maddrs()]  # everyone bootstraps from it
+        dhts += [start_dht(initial_peers, client_mode=index == CLIENT) for index in range(1, SWARM_SIZE)]
+        for dht in dhts:
+            dht.wait_until_ready(timeout=30)
+        wait_until_connected(dhts)
+        yield dhts
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+def matchmaker(dhts: Sequence[hivemind.DHT], index: int, prefix: str, **overrides) -> Matchmaker:
+    values = dict(
+        prefix=prefix,
+        target_group_size=4,
+        min_group_size=2,
+        min_matchmaking_time=30.0,
+        request_timeout=1.0,
+        client_mode=index == CLIENT,
+        auxiliary=index == AUXILIARY,
+    )
+    values.update(overrides)
+    return Matchmaker(MatchmakingConfig(**values), dht=dhts[index])
+
+
+async def look(matchmakers: Sequence[Matchmaker], timeout: float, **kwargs) -> list[GroupInfo | BaseException]:
+    deadline = get_dht_time() + timeout
+    calls = [m.look_for_group(deadline=deadline, **kwargs) for m in matchmakers]
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def groups_of(results: Sequence[GroupInfo | BaseException]) -> dict[bytes, GroupInfo]:
+    """Groups by id, checking that every peer that returned an id returned the same member list."""
+    by_id: dict[bytes, GroupInfo] = {}
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+        assert by_id.setdefault(result.group_id, result) == result, "members disagree on a group"
+    return by_id
+
+
+def peer_ids(dhts: Sequence[hivemind.DHT], indices: Sequence[int]) -> set[str]:
+    return {dhts[i].peer_id.to_base58() for i in indices}
+
+
+def prefix() -> str:
+    return f"test-{secrets.token_hex(4)}"
+
+
+@pytest.mark.timeout(60)
+def test_four_peers_form_one_full_group_at_once(swarm) -> None:
+    indices = (0, 1, AUXILIARY, CLIENT)
+    name = prefix()
+    matchmakers = [matchmaker(swarm, i, name) for i in indices]
+    started = time.perf_counter()
+    results = asyncio.run(look(matchmakers, timeout=20))
+    elapsed = time.perf_counter() - started
+    (group,) = groups_of(results).values()
+    print(f"4 peers, target 4: group formed {elapsed * 1000:.0f} ms after they started looking")
+    assert elapsed < 2.0, "a full group must not wait for min_matchmaking_time (30 s)"
+    assert {m.peer_id for m in group.members} == peer_ids(swarm, indices)
+    roles = {m.peer_id: (m.client_mode, m.auxiliary) for m in group.members}
+    assert roles[swarm[CLIENT].peer_id.to_base58()] == (True, False)
+    assert roles[swarm[AUXILIARY].peer_id.to_base58()] == (False, True)
+    assert set(group.peer_ids) == {swarm[i].peer_id for i in indices}
+
+
+@pytest.mark.timeout(60)
+def test_the_group_forms_well_under_a_second_after_the_last_peer_declares(swarm) -> None:
+    name = prefix()
+    early = [matchmaker(swarm, i, name) for i in range(3)]
+    last = matchmaker(swarm, 3, name)
+
+    async def scenario():
+        waiting = asyncio.create_task(look(early, timeout=20))
+        await _until(lambda: _has_declarations(swarm[3], name, 3))
+        started = time.perf_counter()
+        (mine,) = await look([last], timeout=20)
+        return [*await waiting, mine], time.perf_counter() - started
+
+    results, elapsed = asyncio.run(scenario())
+    (group,) = groups_of(results).values()
+    assert group.size == 4
+    print(f"4 peers, target 4: group final {elapsed * 1000:.0f} ms after the last peer started looking")
+    assert elapsed < 1.0
+
+
+@pytest.mark.timeout(60)
+def test_eight_peers_form_two_disjoint_groups_of_four(swarm) -> None:
+    name = prefix()
+    matchmakers = [matchmaker(swarm, i, name) for i in range(SWARM_SIZE)]
+    started = time.perf_counter()
+    groups = groups_of(asyncio.run(look(matchmakers, timeout=20)))
+    elapsed = time.perf_counter() - started
+    print(f"8 peers, target 4: two groups formed in {elapsed * 1000:.0f} ms")
+    assert sorted(group.size for group in groups.values()) == [4, 4]
+    members = [m.peer_id for group in groups.values() for m in group.members]
+    assert len(set(members)) == SWARM_SIZE
+    assert elapsed < 3.0
+
+
+@pytest.mark.timeout(60)
+def test_three_peers_form_a_smaller_group_after_min_matchmaking_time(swarm) -> None:
+    name = prefix()
+    matchmakers = [matchmaker(swarm, i, name, min_matchmaking_time=1.5) for i in range(3)]
+    started = time.perf_counter()
+    (group,) = groups_of(asyncio.run(look(matchmakers, timeout=20))).values()
+    elapsed = time.perf_counter() - started
+    assert {m.peer_id for m in group.members} == peer_ids(swarm, range(3))
+    assert 1.4 <= elapsed < 4.0, elapsed
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_on_another_prefix_never_joins(swarm) -> None:
+    name = prefix()
+    ours = [matchmaker(swarm, i, name, min_matchmaking_time=1.0) for i in range(3)]
+    stranger = matchmaker(swarm, 3, prefix(), min_matchmaking_time=1.0)
+
+    async def both():
+        return await asyncio.gather(look(ours, timeout=10), look([stranger], timeout=2))
+
+    results, (stranger_result,) = asyncio.run(both())
+    (group,) = groups_of(results).values()
+    assert {m.peer_id for m in group.members} == peer_ids(swarm, range(3))
+    assert isinstance(stranger_result, MatchmakingError)
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_peer_fails_at_its_deadline(swarm) -> None:
+    lone = matchmaker(swarm, 0, prefix(), min_matchmaking_time=0.5)
+    started = time.perf_counter()
+    (result,) = asyncio.run(look([lone], timeout=2.0))
+    elapsed = time.perf_counter() - started
+    assert isinstance(result, MatchmakingError)
+    assert 1.9 <= elapsed < 2.4, f"failed {elapsed:.2f} s after start, deadline was 2 s"
+
+
+@pytest.mark.timeout(30)
+def test_bad_times_are_rejected_before_any_io(swarm) -> None:
+    peer = matchmaker(swarm, 0, prefix())
+    with pytest.raises(MatchmakingError):
+        asyncio.run(peer.look_for_group(deadline=get_dht_time() - 1))
+    for times in (dict(deadline=math.nan), dict(deadline=get_dht_time() + 5, scheduled_time=math.inf)):
+        with pytest.raises(ConfigurationError):
+            asyncio.run(peer.look_for_group(**times))
+
+
+async def _board(dht: hivemind.DHT, name: str):
+    found = await dht.get(board_key(name), latest=True, return_future=True)
+    entries = found.value.items() if found is not None else ()
+    return parse_board(name, ((k, v.value, v.expiration_time) for k, v in entries), get_dht_time())
+
+
+async def _until(condition, timeout: float = 10.0) -> None:
+    stop = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < stop, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_cancelling_withdraws_the_declaration_and_reraises(swarm) -> None:
+    name = prefix()
+    peer = matchmaker(swarm, 0, name)
+
+    async def scenario():
+        task = asyncio.create_task(peer.look_for_group(deadline=get_dht_time() + 30))
+        await _until(lambda: _has_declarations(swarm[1], name, 1))
+        with pytest.raises(MatchmakingError):  # one search at a time per matchmaker
+            await peer.look_for_group(deadline=get_dht_time() + 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: _has_declarations(swarm[1], name, 0))
+        return await _board(swarm[1], name)
+
+    board = asyncio.run(scenario())
+    assert list(board.markers.values()) == [None]  # marked as left
+
+
+async def _has_declarations(dht: hivemind.DHT, name: str, count: int) -> bool:
+    return len((await _board(dht, name)).declarations) == count
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_dies_after_declaring_does_not_hang_the_others(swarm) -> None:
+    name = prefix()
+    initial_peers = [str(maddr) for maddr in swarm[0].get_visible_maddrs()]
+    victim_dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=initial_peers)
+    try:
+        victim = Matchmaker(MatchmakingConfig(prefix=name, target_group_size=4, request_timeout=1.0), dht=victim_dht)
+        survivors = [matchmaker(swarm, i, name, min_matchmaking_time=1.0) for i in range(3)]
+
+        async def scenario():
+            victim_task = asyncio.create_task(victim.look_for_group(deadline=get_dht_time() + 60))
+            await _until(lambda: _has_declarations(swarm[0], name, 1))
+            await asyncio.to_thread(victim_dht.shutdown)  # dies without withdrawing
+            started = time.perf_counter()
+            results = await look(survivors, timeout=10)
+            elapsed = time.perf_counter() - started
+            victim_result = (await asyncio.gather(victim_task, return_exceptions=True))[0]
+            return results, elapsed, victim_result
+
+        results, elapsed, victim_result = asyncio.run(scenario())
+    finally:
+        victim_dht.shutdown()
+    (group,) = groups_of(results).values()
+    assert {m.peer_id for m in group.members} == peer_ids(swarm, range(3))
+    assert elapsed < 6.0, elapsed
+    assert isinstance(victim_result, MatchmakingError)  # its own DHT is gone
+
+
+@pytest.mark.timeout(60)
+def test_consecutive_rounds_under_one_prefix(swarm) -> None:
+    name = prefix()
+    matchmakers = [matchmaker(swarm, i, name) for i in range(4)]
+    seen_ids, timings = set(), []
+    for _ in range(3):
+        started = time.perf_counter()
+        (group,) = groups_of(asyncio.run(look(matchmakers, timeout=20))).values()
+        timings.append(time.perf_counter() - started)
+        assert group.size == 4 and group.group_id not in seen_ids
+        seen_ids.add(group.group_id)
+    print("consecutive rounds, ms:", [round(t * 1000) for t in timings])
+    assert max(timings) < 2.0
