@@ -45,6 +45,10 @@ class RemoteError(HivemindExtError):
     """A remote handler answered with an error; the message carries the remote side's description."""
 
 
+class ClosedError(HivemindExtError, RuntimeError):
+    """An object (a server, a stream, a task owner) was used after it was closed or shut down."""
+
+
 class MatchmakingError(HivemindExtError):
     """No averaging group could be formed before the deadline."""
 
@@ -59,6 +63,7 @@ class StateLoadError(HivemindExtError):
 
 __all__ = [
     "AllreduceError",
+    "ClosedError",
     "CompressionError",
     "ConfigurationError",
     "DeadlineExceededError",

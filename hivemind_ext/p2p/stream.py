@@ -1,0 +1,143 @@
+"""A libp2p stream seen as two directions of frames, with the transport tuned for bulk transfers.
+
+One :class:`FramedStream` may be used by one sending and one receiving task at the same time
+(each direction has its own lock, so frames never interleave even if several tasks send). It
+does not decide what a failure means for the stream: the server and the client do, and always
+end with :meth:`close` (graceful) or :meth:`abort` (immediate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+from hivemind_ext.errors import DeadlineExceededError
+from hivemind_ext.p2p.deadlines import now, wait_until
+from hivemind_ext.p2p.framing import Frame, FrameKind, encode_frame_head, read_frame, write_frame, write_frame_nowait
+from hivemind_ext.p2p.messages import Limits
+
+# The transport buffers this much before drain() blocks: a few write chunks in flight keep the
+# daemon's socket busy while Python prepares the next chunk (asyncio's default is only 64 KiB).
+# The read side is left at asyncio's default: hivemind creates the StreamReader (64 KiB limit),
+# and raising it through the private attribute measured no gain here (Python drains the daemon's
+# socket faster than the daemon fills it).
+WRITE_BUFFER_HIGH = 4 * 1024 * 1024
+WRITE_BUFFER_LOW = 1024 * 1024
+# After a graceful close, the transport gets this long to flush before it is aborted, so a peer
+# that stops reading cannot pin our buffers forever.
+CLOSE_GRACE_SECONDS = 10.0
+LINGER_READ_BYTES = 256 * 1024
+
+
+def tune_transport(writer: asyncio.StreamWriter) -> None:
+    """Raises the stream's write buffer limits for bulk transfers (see WRITE_BUFFER_HIGH)."""
+    with contextlib.suppress(AttributeError, NotImplementedError, RuntimeError):
+        writer.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH, low=WRITE_BUFFER_LOW)
+
+
+def _abort_if_still_flushing(transport: asyncio.BaseTransport) -> None:
+    # A transport whose graceful close finished has nothing buffered; aborting it again would be
+    # an error on some event loops, so only a transport still holding data is aborted.
+    with contextlib.suppress(AttributeError, RuntimeError):
+        if isinstance(transport, asyncio.WriteTransport) and transport.get_write_buffer_size() > 0:
+            transport.abort()
+
+
+class FramedStream:
+    """Frames over one (reader, writer) pair of a libp2p stream opened through the daemon."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limits: Limits) -> None:
+        tune_transport(writer)
+        self.reader, self.writer, self.limits = reader, writer, limits
+        self._send_lock = asyncio.Lock()
+        self._send_interrupted = False
+        self._finished_sending = False  # an END or ERROR frame went out: nothing may follow it
+        self._receive_lock = asyncio.Lock()
+
+    async def send(self, kind: FrameKind, header: Mapping[Any, Any], payload: memoryview, deadline: float) -> None:
+        """Writes one frame. Size and type checks happen before the first byte is written, so a
+        ProtocolError (or MessageTooLargeError) from here leaves the stream intact."""
+        await self.send_encoded(encode_frame_head(kind, header, payload.nbytes, self.limits), payload, deadline)
+        if kind in (FrameKind.END, FrameKind.ERROR):
+            self._finished_sending = True
+
+    async def send_encoded(self, head: bytes, payload: memoryview, deadline: float) -> None:
+        """Writes a frame whose head was encoded (and checked) in advance by ``encode_frame_head``."""
+        async with self._send_lock:
+            self._send_interrupted = True  # stays set if the write fails midway: a partial frame was sent
+            await write_frame(self.writer, head, payload, deadline=deadline)
+            self._send_interrupted = False
+
+    @property
+    def can_send(self) -> bool:
+        """False once the stream is closing, has sent its END / ERROR frame, or had a frame write
+        interrupted (anything more would reach the peer as garbage)."""
+        return not (
+            self._send_interrupted or self._finished_sending or self._send_lock.locked() or self.writer.is_closing()
+        )
+
+    def send_nowait(self, kind: FrameKind, header: Mapping[Any, Any]) -> bool:
+        """Queues a payload-less frame without waiting, if the stream can take one (for OPEN and error
+        frames); returns whether it did."""
+        if not self.can_send:
+            return False
+        write_frame_nowait(self.writer, kind, header)
+        if kind in (FrameKind.END, FrameKind.ERROR):
+            self._finished_sending = True
+        return True
+
+    async def receive(self, deadline: float) -> Frame:
+        async with self._receive_lock:
+            return await read_frame(self.reader, limits=self.limits, deadline=deadline)
+
+    async def wait_peer_gone(self) -> bool:
+        """Waits until the peer closes the stream (True) or sends more bytes (False), consuming them.
+
+        A unary server runs this beside the handler: a caller that hangs up (or was cancelled)
+        stops the handler at once instead of at its deadline.
+        """
+        async with self._receive_lock:
+            try:
+                return not await self.reader.read(1)
+            except (ConnectionError, OSError):
+                return True
+
+    async def linger(self, seconds: float) -> None:
+        """Reads and drops incoming bytes until the peer closes the stream, for at most ``seconds``.
+
+        Closing our end while the peer is still sending makes the daemon reset the stream, which
+        can destroy our last frames (an END, or the ERROR that explains a rejection) before the
+        peer reads them. Waiting for the peer to hang up first, as HTTP servers do, avoids that.
+        """
+        if self.writer.is_closing():
+            return
+        try:
+            await wait_until(self._discard_until_eof(), now() + seconds, "lingering")
+        except (DeadlineExceededError, ConnectionError, OSError):
+            pass  # a peer that keeps the stream open gets no more of our time
+
+    async def _discard_until_eof(self) -> None:
+        async with self._receive_lock:
+            while await self.reader.read(LINGER_READ_BYTES):
+                pass
+
+    @property
+    def closing(self) -> bool:
+        return self.writer.is_closing()
+
+    def close(self) -> None:
+        """Flushes what was written, then closes; aborts if the flush takes longer than the grace period
+        (or at once if a frame was cut short: flushing half a frame helps no one)."""
+        if self.writer.is_closing():
+            return
+        if self._send_interrupted:
+            self.abort()
+            return
+        self.writer.close()
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_SECONDS, _abort_if_still_flushing, self.writer.transport)
+
+    def abort(self) -> None:
+        """Closes immediately, dropping anything not yet written (for interrupted or broken streams)."""
+        self.writer.transport.abort()
