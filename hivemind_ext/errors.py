@@ -61,12 +61,18 @@ class StateLoadError(HivemindExtError):
     """Downloading the state from peers failed or every transfer was corrupted."""
 
 
+class DonorBusyError(PeerUnreachableError):
+    """A state donor turned a download down for now (all its download slots are taken, or its state
+    is locked by averaging); the newcomer should ask another donor instead of waiting."""
+
+
 __all__ = [
     "AllreduceError",
     "ClosedError",
     "CompressionError",
     "ConfigurationError",
     "DeadlineExceededError",
+    "DonorBusyError",
     "HivemindExtError",
     "MatchmakingError",
     "MessageTooLargeError",

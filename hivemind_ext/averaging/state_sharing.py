@@ -1,0 +1,56 @@
+"""State download for late joiners: donors serve snapshots of their state, newcomers download the
+newest one, spread over several donors and checked chunk by chunk.
+
+For the averager::
+
+    config = StateSharingConfig(prefix="run42", load_state_compression=Float16Compression())
+    p2p = await dht.replicate_p2p()
+
+    donor = StateDonor(config, dht=dht, p2p=p2p, get_state=snapshot_under_lock, version=epoch)
+    await donor.start()                     # serves and advertises (neither in client mode)
+    donor.set_version(epoch)                # after each state update, from any thread
+    donor.allow_state_sharing = False       # hivemind's switch, from any thread
+
+    loader = StateLoader(config, dht=dht, p2p=p2p)
+    loaded = await loader.load_state_from_peers(timeout=60)   # (metadata, tensors) or None
+
+    await donor.shutdown()
+
+Where the parts live:
+
+- :mod:`.state_config`: :class:`StateSharingConfig`, every knob and what it bounds;
+- :mod:`.state_records`: the donors' DHT records (key, format, strict parsing, ranking);
+- :mod:`.state_manifest`: the wire protocol (requests, manifest, chunks, digests) and its validation;
+- :mod:`.state_snapshot`: the donor's snapshots (taken in a worker thread, encoded once, reused);
+- :mod:`.state_donor`: :class:`StateDonor` (handler, advertisement) and the :class:`DonorHooks` fault seam;
+- :mod:`.state_download`: :class:`StateLoader` (donor choice, spreading, verification, retries).
+
+Errors: ``load_state_from_peers`` returns None when no peer shares a state; it raises
+:class:`~hivemind_ext.errors.StateLoadError` when donors exist but none delivered a complete, valid
+state before the deadline (hivemind logs and returns None there; the averager may do the same by
+catching it). Per-donor failures are logged and listed in the error; a busy donor raises
+:class:`~hivemind_ext.errors.DonorBusyError` internally and the newcomer moves on.
+
+Trust: records and manifests are validated strictly and every chunk is checked against the digest
+its donor announced, which catches corrupted, truncated and mismatched transfers. It does not make
+a donor honest: a peer that advertises a high version and serves a consistent but wrong state is
+believed, as in hivemind.
+"""
+
+from hivemind_ext.averaging.state_config import StateSharingConfig
+from hivemind_ext.averaging.state_donor import DonorHooks, DonorStats, StateDonor
+from hivemind_ext.averaging.state_download import DonorMismatchError, LoadedState, StateLoader
+from hivemind_ext.averaging.state_manifest import CorruptStateError
+from hivemind_ext.averaging.state_snapshot import StateGetter
+
+__all__ = [
+    "CorruptStateError",
+    "DonorHooks",
+    "DonorMismatchError",
+    "DonorStats",
+    "LoadedState",
+    "StateDonor",
+    "StateGetter",
+    "StateLoader",
+    "StateSharingConfig",
+]

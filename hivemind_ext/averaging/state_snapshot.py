@@ -1,0 +1,219 @@
+"""The donor's snapshots: taking the state from the averager, encoding it into chunks once, and
+sharing one prepared snapshot between the downloads it serves.
+
+Why a snapshot is cheap and never blocks the event loop: ``get_state`` (which may wait for the
+averager's lock) and the encoding + hashing both run in one worker thread; the event loop only
+waits, and never longer than ``snapshot_timeout`` for the lock. Only one snapshot is taken at a
+time: requests that arrive meanwhile wait for the same one, and a prepared snapshot of the current
+version is reused for ``snapshot_reuse_time``. When the lock stays taken past ``snapshot_timeout``
+(an all-reduce in progress), the previous snapshot of the same version is served if there is one,
+and otherwise the request is answered "busy" so that the newcomer moves on at once; the snapshot
+keeps being taken in the background and is ready for the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hivemind_ext.averaging.state_manifest import (
+    ChunkSpec,
+    Manifest,
+    TensorSpec,
+    chunk_digest,
+    chunk_ranges,
+    encode_manifest,
+    manifest_digest,
+    pack_metadata,
+)
+from hivemind_ext.compression import Codec, CompressedTensor, CompressionInfo, NoCompression
+from hivemind_ext.compression.base import NAMES_BY_DTYPE
+from hivemind_ext.errors import CompressionError, DeadlineExceededError, DonorBusyError, ProtocolError
+from hivemind_ext.p2p import now, wait_until
+
+logger = logging.getLogger(__name__)
+
+StateTuple = tuple[Any, Sequence[torch.Tensor]] | tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo] | None]
+StateGetter = Callable[[], StateTuple]
+"""Returns ``(metadata, tensors)`` or, like hivemind's ``get_current_state``, ``(metadata, tensors, infos)``.
+
+Called in a worker thread of the donor, so it must be thread-safe (take the averager's lock). The
+tensors must be a snapshot: they are read after the call returns, while training goes on, so they
+must not be modified in place afterwards (copies taken under the lock). The donor never writes
+into them. ``metadata`` must be msgpack-serializable.
+"""
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedChunk:
+    tensor_header: dict[str, Any]  # the CompressedTensor header (codec, dtype, shape, params)
+    payload: torch.Tensor  # uint8, 1-D, host memory
+
+    def payload_view(self) -> memoryview:
+        return memoryview(self.payload.numpy()).cast("B")
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedState:
+    """One snapshot, encoded: the manifest (and its bytes and digest) and every chunk, ready to send."""
+
+    manifest: Manifest
+    manifest_bytes: bytes
+    manifest_digest: bytes
+    chunks: tuple[EncodedChunk, ...]
+    created_at: float  # time.monotonic()
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+def prepare_state(state: StateTuple, version: int, codec: Codec, chunk_bytes: int) -> PreparedState:
+    """Encodes a state into chunks and builds its manifest (blocking; runs in a worker thread)."""
+    metadata, tensors, infos = _unpack_state(state)
+    specs, chunk_specs, chunks = [], [], []
+    for index, tensor in enumerate(tensors):
+        if tensor.dtype not in NAMES_BY_DTYPE:
+            raise ProtocolError(f"state tensor {index} has unsupported dtype {tensor.dtype}")
+        specs.append(TensorSpec(tensor.dtype, tuple(tensor.shape)))
+        info = infos[index] if infos is not None else CompressionInfo.from_tensor(tensor, key=index)
+        flat = tensor.detach().reshape(-1)
+        ranges = chunk_ranges(flat.numel(), tensor.element_size(), chunk_bytes)
+        for part_index, (start, stop) in enumerate(ranges):
+            encoded = encode_chunk(codec, flat[start:stop], info.get_part(part_index, stop - start))
+            chunk_specs.append(ChunkSpec(index, start, stop, encoded.payload.numel(), chunk_digest(encoded)))
+            chunks.append(EncodedChunk(encoded.header(), encoded.payload))
+    manifest = Manifest(version, secrets.token_hex(16), metadata, tuple(specs), tuple(chunk_specs))
+    manifest_bytes = encode_manifest(manifest, pack_metadata(metadata))
+    return PreparedState(manifest, manifest_bytes, manifest_digest(manifest_bytes), tuple(chunks), time.monotonic())
+
+
+def encode_chunk(codec: Codec, part: torch.Tensor, info: CompressionInfo) -> CompressedTensor:
+    """``part`` compressed with ``codec``, or sent raw if the codec cannot carry it (an integer
+    dtype, NaN for a scaled codec): a newcomer must get every tensor, if not compressed."""
+    try:
+        # NoCompression never writes into its input: allowing "in place" makes its payload a view of
+        # the snapshot instead of a second copy of the whole state (the snapshot is never modified)
+        return codec.compress(part, info, allow_inplace=type(codec) is NoCompression)
+    except CompressionError as e:
+        if not isinstance(codec, NoCompression):
+            logger.debug("state chunk of %s sent uncompressed: %s", part.dtype, e)
+            return NoCompression().compress(part, info, allow_inplace=True)
+        raise
+
+
+def _unpack_state(state: Any) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo] | None]:
+    if not isinstance(state, tuple | list) or len(state) not in (2, 3):
+        raise ProtocolError(f"get_state must return (metadata, tensors[, infos]), got {type(state).__name__}")
+    metadata, tensors = state[0], list(state[1])
+    infos = list(state[2]) if len(state) == 3 and state[2] is not None else None
+    if not all(isinstance(tensor, torch.Tensor) for tensor in tensors):
+        raise ProtocolError("get_state must return torch tensors")
+    if infos is not None and len(infos) != len(tensors):
+        raise ProtocolError(f"get_state returned {len(infos)} infos for {len(tensors)} tensors")
+    return metadata, tensors, infos
+
+
+@dataclass(eq=False)
+class _Job:
+    version: int
+    taken: asyncio.Event  # set once get_state has returned (the averager's lock is released)
+    result: asyncio.Future[PreparedState]
+
+
+class SnapshotCache:
+    """Prepared snapshots for the download handler: at most one being taken, the last one kept.
+
+    :param executor: runs ``get_state`` and the encoding; one worker is enough, since one snapshot
+      is taken at a time. Its owner shuts it down (a thread stuck in ``get_state`` cannot be killed,
+      only abandoned).
+    """
+
+    def __init__(
+        self,
+        get_state: StateGetter,
+        *,
+        codec: Codec,
+        chunk_bytes: int,
+        reuse_time: float,
+        executor: concurrent.futures.Executor,
+    ) -> None:
+        self._get_state, self._codec, self._chunk_bytes = get_state, codec, chunk_bytes
+        self._reuse_time, self._executor = reuse_time, executor
+        self._last: PreparedState | None = None
+        self._job: _Job | None = None
+        self.snapshots_taken = 0
+
+    async def get(self, version: int, *, snapshot_timeout: float, deadline: float) -> PreparedState:
+        """A prepared snapshot of ``version``: reused, or newly taken.
+
+        A request that arrives while a snapshot is being taken waits for that one; if it was started
+        for an older version, one more is taken afterwards.
+
+        :raises DonorBusyError: ``get_state`` did not return within ``snapshot_timeout`` and there is
+          no previous snapshot of this version to serve instead.
+        """
+        snapshot_deadline = min(deadline, now() + snapshot_timeout)
+        for _ in range(2):
+            self._collect_finished_job()
+            last = self._last
+            if last is not None and last.version == version and time.monotonic() - last.created_at <= self._reuse_time:
+                return last
+            job = self._job if self._job is not None else self._start(version)
+            try:
+                await wait_until(job.taken.wait(), snapshot_deadline, "taking a state snapshot")
+            except DeadlineExceededError:
+                if last is not None and last.version == version:
+                    return last  # the averager holds its lock: serve what we have rather than nothing
+                raise DonorBusyError(
+                    f"the state is locked (averaging in progress?) for more than {snapshot_timeout} s"
+                ) from None
+            prepared = await wait_until(asyncio.shield(job.result), deadline, "encoding the state")
+            if prepared.version >= version:
+                return prepared
+        return prepared
+
+    def _collect_finished_job(self) -> None:
+        """Applies a finished job now: its done-callback may not have run yet when a waiter resumes
+        (awaiting a future that is already done does not yield to the loop)."""
+        if self._job is not None and self._job.result.done():
+            self._finish(self._job, self._job.result)
+
+    def _start(self, version: int) -> _Job:
+        loop = asyncio.get_running_loop()
+        taken = asyncio.Event()
+
+        def take_and_prepare() -> PreparedState:
+            state = self._get_state()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(taken.set)
+            return prepare_state(state, version, self._codec, self._chunk_bytes)
+
+        job = _Job(version, taken, loop.run_in_executor(self._executor, take_and_prepare))
+        job.result.add_done_callback(lambda future: self._finish(job, future))
+        self._job = job
+        return job
+
+    def _finish(self, job: _Job, future: asyncio.Future[PreparedState]) -> None:
+        """Keeps a finished job's snapshot (or logs its failure); runs once per job."""
+        if self._job is not job:
+            return  # applied already by _collect_finished_job
+        self._job = None
+        job.taken.set()  # waiters proceed to the result, or to its error
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            logger.warning("could not take a state snapshot: %s: %s", type(error).__name__, error, exc_info=error)
+            return
+        self.snapshots_taken += 1
+        self._last = future.result()
