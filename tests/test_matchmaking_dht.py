@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import hivemind
 import pytest
 from hivemind.utils import get_dht_time
+from swarm import LOOPBACK, local_swarm
 
 from hivemind_ext.averaging.group import GroupInfo, MatchmakingConfig
 from hivemind_ext.averaging.group_board import board_key, parse_board
@@ -25,7 +26,6 @@ pytestmark = pytest.mark.slow
 
 SWARM_SIZE = 8
 AUXILIARY, CLIENT = 6, 7  # roles of two peers of the swarm
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def start_dht(initial_peers: Sequence[str] = (), **kwargs) -> hivemind.DHT:
@@ -34,35 +34,10 @@ def start_dht(initial_peers: Sequence[str] = (), **kwargs) -> hivemind.DHT:
     )
 
 
-def wait_until_connected(dhts: Sequence[hivemind.DHT], timeout: float = 30.0) -> None:
-    """Every DHT must read what every other DHT stored: four local peers have been seen to form two
-    separate DHTs (hivemind issue 624), which would make matchmaking tests fail for the wrong reason."""
-    key = f"swarm-check-{secrets.token_hex(4)}"
-    for index, dht in enumerate(dhts):
-        assert dht.store(key, index, get_dht_time() + 120, subkey=index)
-    stop = time.monotonic() + timeout
-    for dht in dhts:
-        while True:
-            found = dht.get(key, latest=True)
-            if found is not None and len(found.value) == len(dhts):
-                break
-            assert time.monotonic() < stop, "the test swarm is not connected"
-            time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[list[hivemind.DHT]]:
-    dhts = [hivemind.DHT(start=True, host_maddrs=LOOPBACK)]
-    try:
-        initial_peers = [str(maddr) for maddr in dhts[0].get_visible_maddrs()]  # everyone bootstraps from it
-        dhts += [start_dht(initial_peers, client_mode=index == CLIENT) for index in range(1, SWARM_SIZE)]
-        for dht in dhts:
-            dht.wait_until_ready(timeout=30)
-        wait_until_connected(dhts)
+    with local_swarm(SWARM_SIZE, client_indices=[CLIENT]) as dhts:
         yield dhts
-    finally:
-        for dht in dhts:
-            dht.shutdown()
 
 
 def matchmaker(dhts: Sequence[hivemind.DHT], index: int, prefix: str, **overrides) -> Matchmaker:

@@ -24,6 +24,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
+from swarm import local_swarm
 
 from hivemind_ext.averaging.state_config import LOAD_STATE_HANDLER
 from hivemind_ext.averaging.state_manifest import chunk_ranges, chunks_request, manifest_request
@@ -42,7 +43,6 @@ from hivemind_ext.p2p import Message, RPCClient
 
 pytestmark = pytest.mark.slow
 
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 A, B, C, NEWCOMER, CLIENT = range(5)  # roles of the swarm's peers
 CHUNK = 64 * 1024
 T = TypeVar("T")
@@ -50,38 +50,8 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[list[hivemind.DHT]]:
-    dhts = [hivemind.DHT(start=True, host_maddrs=LOOPBACK)]
-    try:
-        initial_peers = [str(maddr) for maddr in dhts[0].get_visible_maddrs()]
-        for index in range(1, 5):
-            dhts.append(
-                hivemind.DHT(
-                    start=True,
-                    await_ready=False,
-                    host_maddrs=LOOPBACK,
-                    initial_peers=initial_peers,
-                    client_mode=index == CLIENT,
-                )
-            )
-        for dht in dhts:
-            dht.wait_until_ready(timeout=30)
-        wait_until_connected(dhts)
+    with local_swarm(5, client_indices=[CLIENT]) as dhts:
         yield dhts
-    finally:
-        for dht in dhts:
-            dht.shutdown()
-
-
-def wait_until_connected(dhts: Sequence[hivemind.DHT], timeout: float = 30.0) -> None:
-    """Every DHT reads what every other one stored (local swarms have been seen to split: hivemind 624)."""
-    key = f"swarm-check-{secrets.token_hex(4)}"
-    for index, dht in enumerate(dhts):
-        assert dht.store(key, index, get_dht_time() + 120, subkey=index)
-    give_up = time.monotonic() + timeout
-    for dht in dhts:
-        while (found := dht.get(key, latest=True)) is None or len(found.value) != len(dhts):
-            assert time.monotonic() < give_up, "the test swarm is not connected"
-            time.sleep(0.1)
 
 
 class LoopThread:

@@ -1,0 +1,182 @@
+"""All-reduce round time: hivemind_ext's DecentralizedAverager next to hivemind's, in the same run.
+
+N peer processes on 127.0.0.1 (default 4), each with its own DHT and libp2p daemon and one float32
+tensor (default 16M values), average it with target_group_size = N. Both averagers are driven by
+the same code through hivemind's API (our class is a drop-in), for each codec in turn. A round is
+timed from the moment all peers call ``step`` together (a barrier) until every peer holds its
+result; the benchmark prints the median over the rounds, the ratio to hivemind, and the bytes
+each of our peers sent against the butterfly minimum 2(N-1)/N x size.
+
+hivemind's 8-bit codecs raise TypeError under numpy 2; run this under numpy 1.26 to compare
+MinMaxUInt8 with hivemind's Uniform8BitQuantization (see the README).
+
+    python benchmarks/averaging.py
+    python benchmarks/averaging.py --peers 4 --size 16M --rounds 5 --codecs none float16 MinMaxUInt8
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Result, describe_machine, emit, lower_is_better
+
+SIZES = {"1M": 2**20, "4M": 2**22, "16M": 2**24, "64M": 2**26}
+# our codec, hivemind's codec (the same where hivemind has one, else its closest 8-bit codec)
+CODECS = {
+    "none": ("NoCompression", "NoCompression"),
+    "float16": ("Float16Compression", "Float16Compression"),
+    "MinMaxUInt8": ("MinMaxUInt8", "Uniform8BitQuantization"),
+}
+STEP_TIMEOUT = 60.0
+
+
+def make_averager(impl: str, codec: str, tensor: Any, dht: Any, prefix: str, peers: int) -> Any:
+    if impl == "ours":
+        import hivemind_ext.compression as compression
+        from hivemind_ext.averaging import DecentralizedAverager
+
+        compression_obj = getattr(compression, CODECS[codec][0])()
+    else:
+        import hivemind.compression as compression
+        from hivemind.averaging import DecentralizedAverager
+
+        compression_obj = getattr(compression, CODECS[codec][1])()
+    return DecentralizedAverager(
+        [tensor],
+        dht,
+        prefix=prefix,
+        target_group_size=peers,
+        min_group_size=peers,
+        min_matchmaking_time=30.0,  # groups must form because they are full, not because time ran out
+        request_timeout=3.0,
+        compression=compression_obj,
+        start=True,
+    )
+
+
+def peer_main(
+    index: int, impl: str, codec: str, args: argparse.Namespace, initial_peers: list[str], barrier: Any, results: Any
+) -> None:
+    """One peer process: join the swarm, then run the rounds, reporting (index, round, t0, t1, bytes)."""
+    import hivemind
+    import torch
+
+    torch.set_num_threads(1)
+    dht = averager = None
+    try:
+        dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        tensor = torch.randn(SIZES[args.size], generator=torch.Generator().manual_seed(index))
+        averager = make_averager(impl, codec, tensor, dht, f"bench_{impl}_{codec}", args.peers)
+        for round_index in range(args.rounds + 1):  # round 0 warms up connections
+            barrier.wait(timeout=120)
+            start = time.time()
+            outcome = averager.step(timeout=STEP_TIMEOUT)
+            finish = time.time()
+            sent = getattr(getattr(averager, "last_round", None), "bytes_sent", None)
+            results.put((index, round_index, start, finish, sent, outcome is not None))
+    except Exception:
+        results.put((index, -1, 0.0, 0.0, None, traceback.format_exc()))
+    finally:
+        if averager is not None:
+            averager.shutdown()
+        if dht is not None:
+            dht.shutdown()
+
+
+def run_swarm(impl: str, codec: str, args: argparse.Namespace) -> tuple[list[float], list[int]]:
+    """Round times (s) and bytes sent per peer per round for one implementation and codec."""
+    import hivemind
+
+    context = mp.get_context("fork")  # hivemind starts its own processes with the default start method
+    bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    initial_peers = [str(addr) for addr in bootstrap.get_visible_maddrs()]
+    barrier, results = context.Barrier(args.peers), context.Queue()
+    processes = [
+        context.Process(target=peer_main, args=(i, impl, codec, args, initial_peers, barrier, results))
+        for i in range(args.peers)
+    ]
+    for process in processes:
+        process.start()
+    records = []
+    try:
+        for _ in range(args.peers * (args.rounds + 1)):
+            record = results.get(timeout=STEP_TIMEOUT + 120)
+            if record[1] == -1:
+                raise RuntimeError(f"{impl} peer {record[0]} failed:\n{record[5]}")
+            records.append(record)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        bootstrap.shutdown()
+    times, sent = [], []
+    for round_index in range(1, args.rounds + 1):
+        rows = [r for r in records if r[1] == round_index]
+        times.append(max(r[3] for r in rows) - min(r[2] for r in rows))
+        sent.extend(r[4] for r in rows if r[4] is not None)
+    return times, sent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--size", default="16M", choices=list(SIZES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
+    parser.add_argument("--impls", nargs="+", default=["ours", "hivemind"], choices=["ours", "hivemind"])
+    args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)
+    print(f"machine: {describe_machine()}")
+    numel = SIZES[args.size]
+    minimum = 2 * (args.peers - 1) / args.peers * numel * 4
+    results: list[Result] = []
+    for codec in args.codecs:
+        ours_median, sent, hm_median, note = None, [], None, ""
+        if "ours" in args.impls:
+            ours, sent = run_swarm("ours", codec, args)
+            ours_median = statistics.median(ours)
+        if "hivemind" in args.impls:
+            try:
+                hm_median = statistics.median(run_swarm("hivemind", codec, args)[0])
+            except RuntimeError as e:
+                note = f"hivemind failed: {str(e).strip().splitlines()[-1][:160]}"
+        if CODECS[codec][1] != CODECS[codec][0]:
+            note = note or f"vs hivemind {CODECS[codec][1]}"
+        ratio = f"{ours_median / hm_median:.2f}x hivemind's time" if hm_median and ours_median else "n/a"
+        hm_text = f"{hm_median:.3f} s" if hm_median else "-"
+        sent_text = f"{statistics.median(sent) / 1e6:.1f} MB" if sent else "n/a"
+        ours_text = f"{ours_median:.3f} s" if ours_median else "-"
+        print(f"{codec:12s} round: ours {ours_text} | hivemind {hm_text} | ours/hivemind {ratio} {note}")
+        print(f"{codec:12s} bytes sent per peer: {sent_text} (uncompressed butterfly minimum {minimum / 1e6:.1f} MB)")
+        results.append(
+            lower_is_better(
+                f"{codec} {args.peers} peers {args.size}",
+                "s/round",
+                ours_median and round(ours_median, 4),
+                None if hm_median is None else round(hm_median, 4),
+            )
+        )
+        if sent:
+            results.append(
+                Result(
+                    f"{codec} bytes sent per peer / butterfly minimum",
+                    "ratio",
+                    round(statistics.median(sent) / minimum, 4),
+                    None,
+                    None,
+                )
+            )
+    emit("averaging", results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The state one member keeps for one all-reduce round, shared by its sending and owning sides.
+
+:class:`RoundContext` holds who is who in the group, the deadlines, the layout, the traffic counters
+and what this member learned (exclusions, gathered data). :class:`RoundTensors` reads chunks of the
+inputs and writes chunks of the outputs. :class:`CodecRunner` runs codec work off the event loop
+and remembers what is still running, so that a round never returns while a worker thread may
+still write into its outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+from hivemind.p2p import PeerID
+
+from hivemind_ext.averaging.allreduce_layout import ChunkSpec, PartSpec, RoundLayout
+from hivemind_ext.averaging.allreduce_types import AllreduceConfig, PartOutcome, RoundHooks
+from hivemind_ext.averaging.group import Member
+from hivemind_ext.compression import CompressionInfo
+from hivemind_ext.errors import AllreduceError, ClosedError, ConfigurationError
+from hivemind_ext.p2p import Limits, now
+
+T = TypeVar("T")
+
+
+class RoundTensors:
+    """The caller's tensors as flat inputs, and the new output tensors the round fills chunk by chunk.
+
+    Every value of every output is written before the round returns: with the average where its
+    part was averaged, else with the input value (:meth:`keep_local`, which also overwrites an
+    average that was written only in part).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None) -> None:
+        # reshape is a view for contiguous tensors; a strided input is copied once here
+        self.inputs = [tensor.detach().reshape(-1) for tensor in tensors]
+        if out is None:
+            self.outputs = [torch.empty(t.numel(), dtype=t.dtype, device=t.device) for t in tensors]
+        else:
+            self.outputs = [output.view(-1) for output in _checked_outputs(tensors, out)]
+        self._out = list(out) if out is not None else None
+        self.shapes = [tensor.shape for tensor in tensors]
+
+    @property
+    def present(self) -> bool:
+        """False for an auxiliary peer that passed no tensors (it only reduces)."""
+        return bool(self.inputs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.inputs[0].device if self.inputs else torch.device("cpu")
+
+    def input_chunk(self, chunk: ChunkSpec) -> torch.Tensor:
+        return self.inputs[chunk.tensor][chunk.start : chunk.end]
+
+    def write(self, chunk: ChunkSpec, values: torch.Tensor) -> None:
+        if self.outputs:
+            self.outputs[chunk.tensor][chunk.start : chunk.end].copy_(values)
+
+    def keep_local(self, part: PartSpec) -> None:
+        for chunk in part.chunks:
+            if self.outputs:
+                self.write(chunk, self.input_chunk(chunk))
+
+    def results(self) -> list[torch.Tensor]:
+        if self._out is not None:
+            return self._out
+        return [output.view(shape) for output, shape in zip(self.outputs, self.shapes, strict=True)]
+
+
+def _checked_outputs(tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """Caller-provided outputs must match the inputs and must not overlap them: a part that fails
+    after some of its average was written is restored from the inputs."""
+    if len(out) != len(tensors):
+        raise ConfigurationError(f"{len(out)} output tensors for {len(tensors)} inputs")
+    for index, (given, output) in enumerate(zip(tensors, out, strict=True)):
+        if not isinstance(output, torch.Tensor) or (output.shape, output.dtype, output.device) != (
+            given.shape,
+            given.dtype,
+            given.device,
+        ):
+            raise ConfigurationError(f"output {index} must have the shape, dtype and device of input {index}")
+        if not output.is_contiguous() or output.requires_grad:
+            raise ConfigurationError(f"output {index} must be contiguous and not require grad")
+    for index, output in enumerate(out):
+        if output.numel() and any(_overlap(output, t) for t in (*tensors, *out[:index])):
+            raise ConfigurationError(f"output {index} shares memory with an input or another output")
+    return out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or not b.numel():
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + a.numel() * a.element_size()
+    b_end = b_start + (b.untyped_storage().nbytes() if not b.is_contiguous() else b.numel() * b.element_size())
+    return a_start < b_end and b_start < a_end
+
+
+class CodecRunner:
+    """Runs codec work in ``executor`` (or inline if None) and tracks the jobs still running.
+
+    A job cannot be stopped once a worker thread has started it, even if the task awaiting it is
+    cancelled; :meth:`drain` waits for such jobs, so the round can safely write its outputs after.
+    """
+
+    def __init__(self, executor: concurrent.futures.Executor | None) -> None:
+        self.executor = executor
+        self._jobs: set[concurrent.futures.Future[object]] = set()
+
+    def submit(self, function: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        """Starts ``function(*args)`` and returns a future of its result (already done when run inline).
+
+        The future is a plain future, not a task: several coroutines may await it, and one that
+        is cancelled while awaiting it does not cancel the job.
+        """
+        if self.executor is None:
+            future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            try:
+                future.set_result(function(*args))
+            except Exception as e:
+                future.set_exception(e)
+            return future
+        try:
+            job = self.executor.submit(function, *args)
+        except RuntimeError as e:  # the service shut its thread pool down
+            raise ClosedError(f"the all-reduce service is shut down: {e}") from e
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        return asyncio.wrap_future(job)
+
+    async def run(self, function: Callable[..., T], *args: object) -> T:
+        return await self.submit(function, *args)
+
+    async def drain(self) -> None:
+        """Waits until no job started by this runner is running (jobs are short: one chunk each)."""
+        while self._jobs:
+            await asyncio.wait([asyncio.wrap_future(job) for job in list(self._jobs)])
+
+
+@dataclasses.dataclass
+class Traffic:
+    sent: int = 0
+    received: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class RoundContext:
+    """Everything one member knows about its round; mutated only from the event loop thread."""
+
+    group_id: bytes
+    members: tuple[Member, ...]
+    peers: tuple[PeerID, ...]
+    me: int
+    config: AllreduceConfig
+    hooks: RoundHooks
+    weight: float
+    gather: bytes  # packed
+    started: float
+    deadline: float
+    tensors: RoundTensors
+    tensor_infos: Sequence[CompressionInfo] | None
+    layout: RoundLayout | None  # None only on an auxiliary peer without tensors, until a sender tells it
+    runner: CodecRunner
+    limits: Limits
+    traffic: Traffic = dataclasses.field(default_factory=Traffic)
+    excluded: dict[PeerID, str] = dataclasses.field(default_factory=dict)
+    gathered: dict[str, bytes] = dataclasses.field(default_factory=dict)  # from each author directly
+    relayed: dict[str, bytes] = dataclasses.field(default_factory=dict)  # echoed by owners
+
+    def __post_init__(self) -> None:
+        self.names = tuple(member.peer_id for member in self.members)
+        self.name_set = frozenset(self.names)
+        self.gathered[self.names[self.me]] = self.gather
+
+    @property
+    def my_peer(self) -> PeerID:
+        return self.peers[self.me]
+
+    @property
+    def join_deadline(self) -> float:
+        """Owners exclude senders that have not joined by then."""
+        return min(self.started + self.config.next_chunk_timeout, self.deadline)
+
+    @property
+    def collect_deadline(self) -> float:
+        """Owners stop waiting for senders then, and average what arrived."""
+        return min(self.started + self.config.collect_timeout, self.deadline)
+
+    def chunk_deadline(self) -> float:
+        """Deadline for the next message of a stream that is under way."""
+        return min(now() + self.config.next_chunk_timeout, self.deadline)
+
+    def is_sender(self, index: int) -> bool:
+        return not self.members[index].auxiliary
+
+    def is_owner(self, index: int) -> bool:
+        return not self.members[index].client_mode
+
+    @property
+    def sends(self) -> bool:
+        """Whether this member contributes values (auxiliary members do not)."""
+        return self.is_sender(self.me) and self.tensors.present
+
+    def senders(self) -> list[PeerID]:
+        return [peer for index, peer in enumerate(self.peers) if self.is_sender(index)]
+
+    def owners(self) -> list[int]:
+        return [index for index in range(len(self.peers)) if self.is_owner(index)]
+
+    def exclude(self, peer: PeerID, reason: str) -> None:
+        self.excluded.setdefault(peer, reason)
+
+    def learn_gathered(self, gathered: dict[str, bytes]) -> None:
+        for name, data in gathered.items():
+            self.relayed.setdefault(name, data)
+
+    def all_gathered(self) -> dict[str, bytes]:
+        """What this member can tell others: direct data first, relayed data for the rest."""
+        return {**self.relayed, **self.gathered}
+
+    def compression_info(self, chunk: ChunkSpec) -> CompressionInfo:
+        """The chunk's tensor's info (key, role, shape), located as part ``piece`` of that tensor."""
+        if self.tensor_infos is not None:
+            base = self.tensor_infos[chunk.tensor]
+        elif self.layout is None:
+            raise AllreduceError("a chunk was compressed before the round's layout was known")
+        else:
+            spec = self.layout.tensors[chunk.tensor]
+            base = CompressionInfo(key=chunk.tensor, shape=spec.shape, dtype=spec.dtype)
+        return base.get_part(chunk.piece, chunk.numel)
+
+    def not_averaged(self, part: PartSpec, reason: str) -> PartOutcome:
+        """The outcome of a part that keeps this member's own values."""
+        mine = (self.my_peer,) if self.sends else ()
+        return PartOutcome(self.peers[part.owner], part.start, part.end, False, mine, reason)

@@ -1,0 +1,179 @@
+"""The sender's side of a round: this member's slice of one part to its owner, the average back.
+
+One stream per owner, all owners at once. On each, a background task sends JOIN and the chunks
+(with ``offload_codecs``, chunk i + 1 is compressed in a worker thread while chunk i is written),
+while the calling task waits for the owner's RESULT and decodes each averaged chunk straight into
+the output tensors as it arrives. A NoCompression chunk is written from the caller's tensor
+itself: no copy is made on the way out. Every wait has a deadline: a write or a next chunk within
+``next_chunk_timeout``, the RESULT (which comes only once every sender of the part is done)
+within the round's deadline.
+
+Whatever goes wrong with the owner (it is unreachable, refuses, stalls, breaks the protocol or
+sends an invalid average), the part keeps this member's own values and the outcome says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from hivemind.p2p import PeerID
+
+from hivemind_ext.averaging.allreduce_layout import ChunkSpec, RoundLayout
+from hivemind_ext.averaging.allreduce_round import RoundContext
+from hivemind_ext.averaging.allreduce_types import PartOutcome
+from hivemind_ext.averaging.allreduce_wire import (
+    HANDLER_NAME,
+    chunk_message,
+    join_message,
+    parse_chunk,
+    parse_result_head,
+)
+from hivemind_ext.averaging.reducer import all_finite
+from hivemind_ext.compression import (
+    BFloat16Compression,
+    CompressedTensor,
+    Float16Compression,
+    NoCompression,
+    decompress,
+)
+from hivemind_ext.errors import AllreduceError, CompressionError, HivemindExtError, ProtocolError
+from hivemind_ext.p2p import ClientStream, Message, RPCClient, TaskOwner, now
+
+logger = logging.getLogger(__name__)
+
+READ_ONLY_CODECS = (NoCompression, Float16Compression, BFloat16Compression)
+
+
+async def exchange_with_owner(context: RoundContext, client: RPCClient, owner: int) -> PartOutcome:
+    """Averages part ``owner`` with its owner; never raises but CancelledError."""
+    layout = _layout(context)
+    peer, part = context.peers[owner], layout.parts[owner]
+    try:
+        contributors = await _exchange(context, client, owner)
+    except Exception as e:  # typed errors from the network and the protocol, or an injected fault
+        reason = f"{type(e).__name__}: {e}"
+        if not isinstance(e, HivemindExtError):  # not a network or protocol failure: make it visible
+            logger.warning(f"exchange with the owner of part {owner} failed: {reason}", exc_info=e)
+        context.tensors.keep_local(part)
+        context.exclude(peer, f"owner of part {owner}: {reason}")
+        return context.not_averaged(part, reason)
+    return PartOutcome(peer, part.start, part.end, True, contributors)
+
+
+async def _exchange(context: RoundContext, client: RPCClient, owner: int) -> tuple[PeerID, ...]:
+    peer = context.peers[owner]
+    stream = await client.open_stream(peer, HANDLER_NAME, deadline=context.deadline, limits=context.limits)
+    async with stream, TaskOwner(f"allreduce: sending part {owner} to {peer}") as tasks:
+        sending = tasks.spawn(_send_slice(context, stream, owner), report_errors=False)
+        try:
+            contributors = await _receive_average(context, stream, owner)
+        except HivemindExtError as e:
+            failure = _failure_of(sending)
+            if failure is not None and failure is not e:
+                raise failure from e  # the send failed first (e.g. a write timed out): that is the cause
+            raise
+        if not sending.done():  # the END frame may still be on its way out
+            await asyncio.wait([sending], timeout=max(0.0, context.chunk_deadline() - now()))
+        return contributors
+
+
+def _failure_of(task: asyncio.Task[None]) -> BaseException | None:
+    if not task.done() or task.cancelled():
+        return None
+    return task.exception()
+
+
+async def _send_slice(context: RoundContext, stream: ClientStream, owner: int) -> None:
+    """JOIN, then every chunk of this member's slice of the part, then END."""
+    layout = _layout(context)
+    peer, part, hooks = context.peers[owner], layout.parts[owner], context.hooks
+    upcoming: asyncio.Future[CompressedTensor] | None = None
+    try:
+        join = join_message(context.group_id, layout.fingerprint, context.weight, context.gather, list(layout.tensors))
+        await _send(context, stream, await hooks.before_join(peer, owner, join))
+        chunks = part.chunks
+        upcoming = _compress(context, chunks[0]) if chunks else None
+        for index in range(len(chunks)):
+            compressed = await upcoming  # type: ignore[misc]
+            # start the next chunk's compression (in a worker thread if offloaded) before writing this one
+            upcoming = _compress(context, chunks[index + 1]) if index + 1 < len(chunks) else None
+            message = await hooks.before_send_chunk(peer, owner, index, chunk_message(compressed, index))
+            await _send(context, stream, message)
+        await stream.end(deadline=context.chunk_deadline())
+    except BaseException:
+        if upcoming is not None:  # its outcome no longer matters; don't let asyncio report it as lost
+            upcoming.add_done_callback(_discard_outcome)
+        await stream.aclose()  # aborts: the owner must see this sender fail now, not at its next timeout
+        raise
+
+
+def _compress(context: RoundContext, chunk: ChunkSpec) -> asyncio.Future[CompressedTensor]:
+    codec = context.config.compression
+    values, info = context.tensors.input_chunk(chunk), context.compression_info(chunk)
+    # a codec known never to write into its input may alias it (no defensive copy): NoCompression
+    # then sends straight from the caller's tensor, which nothing modifies until the round returns
+    return context.runner.submit(codec.compress, values, info, type(codec) in READ_ONLY_CODECS)
+
+
+def _discard_outcome(future: asyncio.Future[object]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+async def _send(context: RoundContext, stream: ClientStream, message: Message) -> None:
+    await stream.send(message, deadline=context.chunk_deadline())
+    context.traffic.sent += message.payload_view().nbytes
+
+
+async def _receive_average(context: RoundContext, stream: ClientStream, owner: int) -> tuple[PeerID, ...]:
+    """Reads RESULT and the averaged chunks, decoding each into the outputs in a worker thread
+    while the next one arrives; returns the contributors."""
+    part = _layout(context).parts[owner]
+    head = parse_result_head(await _receive(context, stream, context.deadline), context.name_set)
+    if context.names[context.me] not in head.contributors:
+        raise ProtocolError("the owner's RESULT does not include this member, which delivered its whole slice")
+    if head.num_chunks != len(part.chunks):
+        raise ProtocolError(f"RESULT announces {head.num_chunks} chunks, the part has {len(part.chunks)}")
+    context.learn_gathered(head.gathered)
+    decoding: list[asyncio.Future[None]] = []
+    try:
+        for index, chunk in enumerate(part.chunks):
+            received, compressed = parse_chunk(await _receive(context, stream, context.chunk_deadline()))
+            if received != index:
+                raise ProtocolError(f"expected averaged chunk {index}, got {received}")
+            decoding.append(context.runner.submit(_decode_into_output, context, chunk, compressed))
+        for job in decoding:
+            await job
+    except Exception:
+        if decoding:  # no decoding job may write into the outputs after the caller restores them
+            await asyncio.wait(decoding)
+        raise
+    return tuple(PeerID.from_base58(name) for name in head.contributors)
+
+
+async def _receive(context: RoundContext, stream: ClientStream, deadline: float) -> Message:
+    message = await stream.receive(deadline=deadline)
+    if message is None:
+        raise ProtocolError("the owner ended the stream before sending the whole average")
+    context.traffic.received += message.payload_view().nbytes
+    return message
+
+
+def _decode_into_output(context: RoundContext, chunk: ChunkSpec, message: CompressedTensor) -> None:
+    """Validates an averaged chunk and writes it into the output tensor (runs in a worker thread)."""
+    if message.shape != (chunk.numel,) or not message.dtype.is_floating_point:
+        raise ProtocolError(f"averaged chunk of shape {message.shape} {message.dtype}, expected ({chunk.numel},)")
+    try:
+        values = decompress(message, device=context.tensors.device)
+    except CompressionError as e:
+        raise ProtocolError(f"undecodable averaged chunk: {e}") from e
+    if not all_finite(values):
+        raise ProtocolError("averaged chunk holds NaN or Inf")
+    context.tensors.write(chunk, values)
+
+
+def _layout(context: RoundContext) -> RoundLayout:
+    if context.layout is None:
+        raise AllreduceError("this member has no layout: it cannot send")
+    return context.layout

@@ -1,0 +1,169 @@
+"""What an all-reduce round takes and returns: its config, its fault-injection hooks, its result.
+
+Kept apart from the round's machinery so that the sender and owner modules, the service and the
+averager all share these definitions without importing each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+
+from hivemind_ext.compression import Codec, NoCompression
+from hivemind_ext.compression.resolve import as_codec
+from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.p2p import Message
+
+# Measured with 4 peers x 16M float32 values on 2 cores (benchmarks/allreduce.py, one process): rounds
+# with 256 KiB / 512 KiB / 1 MiB / 2 MiB / 4 MiB chunks took 1.28 / 1.14 / 1.02 / 0.96 / 0.91 s with
+# no compression and 0.86 / 0.61 / 0.48 / 0.47 / 0.44 s with MinMaxUInt8 (per-chunk overhead); 2 MiB
+# keeps most of the gain while a chunk still crosses a slow (10 MB/s) link well within next_chunk_timeout.
+DEFAULT_PART_SIZE_BYTES = 2**21
+DEFAULT_NEXT_CHUNK_TIMEOUT = 5.0
+DEFAULT_ALLREDUCE_TIMEOUT = 60.0
+DEFAULT_COLLECT_FRACTION = 0.75
+MAX_PART_SIZE_BYTES = 2**28
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AllreduceConfig:
+    """How one all-reduce round runs; every member of a group should use the same values.
+
+    :param compression: the codec for chunks in both directions (ours, or a hivemind codec object)
+    :param part_size_bytes: chunks hold at most this many bytes of uncompressed values (members
+      that disagree cannot average with each other: their layouts differ)
+    :param next_chunk_timeout: a peer that leaves this long between two messages of a stream (or
+      an owner that does not hear from a sender this long after the round started) is excluded;
+      ``None``: the default (5 s)
+    :param allreduce_timeout: the whole round ends within this many seconds (plus a small margin)
+      of its start, whatever other peers do; ``None``: the default (60 s)
+    :param collect_timeout: owners stop waiting for slow senders this many seconds after the start
+      and average what arrived, leaving the rest of ``allreduce_timeout`` to send the results back;
+      ``None``: 3/4 of ``allreduce_timeout``
+    :param offload_codecs: compress, decode and reduce in the service's thread pool, so that codec
+      work overlaps with network I/O on the event loop (torch releases the GIL inside its kernels).
+      Off by default: measured on 2 cores with 4 peers, handing every chunk to a thread costs more
+      (GIL hand-offs stall the event loop, buffers cross malloc arenas) than the overlap gains; it
+      can pay off on machines with cores to spare and expensive codecs.
+    """
+
+    compression: Any = dataclasses.field(default_factory=NoCompression)
+    part_size_bytes: int = DEFAULT_PART_SIZE_BYTES
+    next_chunk_timeout: float | None = None
+    allreduce_timeout: float | None = None
+    collect_timeout: float | None = None
+    offload_codecs: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compression", _codec(self.compression))
+        if type(self.part_size_bytes) is not int or not 1 <= self.part_size_bytes <= MAX_PART_SIZE_BYTES:
+            raise ConfigurationError(
+                f"part_size_bytes must be an int in [1, {MAX_PART_SIZE_BYTES}], got {self.part_size_bytes!r}"
+            )
+        self._resolve("next_chunk_timeout", DEFAULT_NEXT_CHUNK_TIMEOUT)
+        self._resolve("allreduce_timeout", DEFAULT_ALLREDUCE_TIMEOUT)
+        self._resolve("collect_timeout", DEFAULT_COLLECT_FRACTION * self.allreduce_timeout)
+        if self.collect_timeout >= self.allreduce_timeout:
+            raise ConfigurationError(
+                f"collect_timeout ({self.collect_timeout}) must be shorter than allreduce_timeout "
+                f"({self.allreduce_timeout}): owners need time to send the results back"
+            )
+        if not isinstance(self.offload_codecs, bool):
+            raise ConfigurationError(f"offload_codecs must be a bool, got {self.offload_codecs!r}")
+
+    def _resolve(self, name: str, default: float) -> None:
+        value = getattr(self, name)
+        if value is None:
+            value = default
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+            raise ConfigurationError(f"{name} must be None or a positive finite number of seconds, got {value!r}")
+        object.__setattr__(self, name, float(value))
+
+
+def _codec(compression: Any) -> Codec:
+    try:
+        return as_codec(compression)
+    except ConfigurationError as e:
+        raise ConfigurationError(f"AllreduceConfig(compression=...): {e}") from None
+
+
+class RoundHooks:
+    """The fault-injection seam of a round: override the methods to delay, corrupt, fail or crash.
+
+    Each method is awaited on the event loop at the point its name says, with the message about to
+    be sent (return it, or a replacement) or just received. The defaults do nothing. An exception
+    raised by a hook fails that one stream as a network failure at that point would (the peer on
+    the other side excludes this one, or this one gives up on it); to simulate a crash of the whole
+    peer, cancel its ``run_round`` task from a hook.
+
+    ``part`` is the part's index (= its owner's index in the group), ``index`` the chunk's index
+    within the part.
+    """
+
+    async def before_join(self, owner: PeerID, part: int, message: Message) -> Message:
+        """Sender side: the JOIN message that opens the stream to ``owner``."""
+        return message
+
+    async def before_send_chunk(self, owner: PeerID, part: int, index: int, message: Message) -> Message:
+        """Sender side: a chunk of this peer's slice of ``part`` about to go to its owner."""
+        return message
+
+    async def after_receive_chunk(self, sender: PeerID, part: int, index: int, message: Message) -> None:
+        """Owner side: a chunk from ``sender`` has arrived and is about to be reduced."""
+
+    async def before_send_result(self, sender: PeerID, part: int, index: int | None, message: Message) -> Message:
+        """Owner side: the RESULT head (``index`` None) or a chunk of the averaged part for ``sender``."""
+        return message
+
+
+@dataclasses.dataclass(frozen=True)
+class PartOutcome:
+    """What became of one part, from this peer's point of view.
+
+    ``averaged`` parts hold the weighted mean over ``contributors``. A part that was not averaged
+    (its owner failed, refused or was too slow) holds this peer's own values, and ``contributors``
+    is just this peer (or empty on an auxiliary peer, which has no values of its own).
+    """
+
+    owner: PeerID
+    start: int  # [start, end) of the flattened, concatenated tensors
+    end: int
+    averaged: bool
+    contributors: tuple[PeerID, ...]
+    reason: str | None = None  # why the part was not averaged
+
+
+@dataclasses.dataclass(frozen=True)
+class AllreduceResult:
+    """The outcome of one round.
+
+    :param tensors: new tensors with the inputs' shapes, dtypes and devices: the average where a
+      part was averaged, this peer's own values elsewhere (empty for an auxiliary peer that passed
+      no tensors)
+    :param parts: one per member that owns a part (client-mode members own none), in member order
+    :param excluded: peers this peer saw fail, with the reason: senders excluded from the part it
+      owns, and owners whose part it could not get averaged
+    :param gathered: every member's ``gather`` data that reached this peer, by peer id
+    :param bytes_sent / bytes_received: message payload bytes this peer put on / took off the
+      network (chunks both ways, gather data; not frame headers)
+    """
+
+    tensors: list[torch.Tensor]
+    parts: tuple[PartOutcome, ...]
+    excluded: dict[PeerID, str]
+    gathered: dict[PeerID, Any]
+    bytes_sent: int
+    bytes_received: int
+
+    @property
+    def contributors(self) -> tuple[tuple[PeerID, ...], ...]:
+        """Per part (as ``parts``), the peers whose values are in it."""
+        return tuple(part.contributors for part in self.parts)
+
+    @property
+    def all_averaged(self) -> bool:
+        return all(part.averaged for part in self.parts)

@@ -1,0 +1,450 @@
+"""DecentralizedAverager: average a set of tensors with whichever peers are online, again and again.
+
+A drop-in for ``hivemind.averaging.DecentralizedAverager``: the same constructor keywords and the
+methods a user calls (``step``, ``get_tensors``, ``get_current_state``, ``load_state_from_peers``,
+``shutdown``, use as a context manager). Inside, it runs on a background thread's event loop
+(hivemind uses a separate process) and shares the DHT's libp2p daemon; each step is matchmaking
+(:mod:`.matchmaking`), then one butterfly all-reduce round (:mod:`.allreduce`) whose result is
+applied to the tensors as ``tensor += alpha * (average - tensor_at_round_start)``, so updates the
+user made to the tensors during the round are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hivemind import DHT
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from hivemind_ext.averaging.allreduce import AllreduceConfig, AllreduceResult, AllreduceService
+from hivemind_ext.averaging.control import AveragingStage, StepControl
+from hivemind_ext.averaging.matchmaking import Matchmaker, MatchmakingConfig
+from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
+from hivemind_ext.compression import Codec, CompressionInfo, NoCompression
+from hivemind_ext.compression.resolve import as_codec
+from hivemind_ext.errors import (
+    AllreduceError,
+    ConfigurationError,
+    DeadlineExceededError,
+    HivemindExtError,
+    MatchmakingError,
+    StateLoadError,
+)
+from hivemind_ext.p2p import RPCClient, RPCServer
+from hivemind_ext.runtime import LoopThread
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PART_SIZE_BYTES = 2**19
+NO_DEADLINE = 365 * 24 * 3600.0  # "no timeout": a step still gives up eventually
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What the last finished round did (for logs, tests and benchmarks)."""
+
+    group_size: int
+    contributors: tuple[tuple[str, ...], ...]  # per part
+    excluded: dict[str, str]
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+
+
+class DecentralizedAverager:
+    """Averages ``averaged_tensors`` with peers found through ``dht`` under ``prefix``.
+
+    :param averaged_tensors: the tensors to average; they are updated in place after each round
+    :param dht: a running ``hivemind.DHT``; its libp2p daemon carries the all-reduce traffic
+    :param start: start the background loop now (else call :meth:`run_in_background`)
+    :param prefix: peers average only with peers that use the same prefix
+    :param target_group_size: a group forms as soon as this many peers are ready
+    :param min_group_size: after ``min_matchmaking_time``, a group of at least this many forms
+    :param min_matchmaking_time: how long to wait for a full group (when step() has no scheduled_time)
+    :param request_timeout: how long a peer may take to answer during matchmaking
+    :param averaging_alpha: step size toward the average (1.0 = replace by the average)
+    :param part_size_bytes: all-reduce chunk size: parts are streamed and reduced in chunks of this size
+    :param allreduce_timeout: an all-reduce round gives up on missing peers after this many seconds
+    :param next_chunk_timeout: a peer that sends nothing for this long is excluded from the round
+    :param compression: the codec for all-reduce traffic (ours, or a hivemind codec object)
+    :param state_compression: the codec for state downloads
+    :param tensor_infos: CompressionInfo per tensor (keys and roles for adaptive codecs)
+    :param bandwidth: this peer's relative bandwidth; parts are sized in proportion (None: the group mean)
+    :param auxiliary: help reduce without contributing tensors
+    :param allow_state_sharing: serve state to newcomers (default: unless client mode or auxiliary)
+    :param client_mode: accept no incoming connections (default: the DHT's mode)
+    :param shutdown_timeout: how long shutdown waits for background work
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht: DHT,
+        *,
+        start: bool,
+        prefix: str,
+        target_group_size: int | None = None,
+        min_group_size: int = 2,
+        initial_group_bits: str = "",
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        averaging_alpha: float = 1.0,
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        allreduce_timeout: float | None = None,
+        next_chunk_timeout: float | None = None,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
+        compression: Any = None,
+        state_compression: Any = None,
+        tensor_infos: Sequence[CompressionInfo] | None = None,
+        bandwidth: float | None = None,
+        min_vector_size: int = 0,
+        auxiliary: bool = False,
+        allow_state_sharing: bool | None = None,
+        declare_state_period: float = 30,
+        client_mode: bool | None = None,
+        daemon: bool = True,
+        shutdown_timeout: float = 5,
+    ):
+        del initial_group_bits, min_vector_size, daemon  # hivemind internals with no meaning here
+        tensors = list(averaged_tensors)
+        _check_tensors(tensors)
+        if client_mode is None:
+            client_mode = bool(dht.client_mode)
+        if client_mode and auxiliary:
+            raise ConfigurationError("an auxiliary peer must accept incoming connections: drop client_mode")
+        if allow_state_sharing is None:
+            allow_state_sharing = not client_mode and not auxiliary
+        if allow_state_sharing and client_mode:
+            raise ConfigurationError("a client-mode peer cannot share its state (it accepts no connections)")
+        if not (isinstance(averaging_alpha, int | float) and math.isfinite(averaging_alpha) and averaging_alpha > 0):
+            raise ConfigurationError(f"averaging_alpha must be a positive number, got {averaging_alpha!r}")
+        self.dht, self.prefix = dht, prefix
+        self.client_mode, self.auxiliary = client_mode, auxiliary
+        self.averaging_alpha, self.shutdown_timeout = float(averaging_alpha), shutdown_timeout
+        self.compression: Codec = as_codec(compression if compression is not None else NoCompression())
+        self.state_compression: Codec = as_codec(
+            state_compression if state_compression is not None else NoCompression()
+        )
+        self.tensor_infos = (
+            tuple(tensor_infos)
+            if tensor_infos is not None
+            else tuple(CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors))
+        )
+        self.matchmaking_config = MatchmakingConfig(
+            prefix=prefix,
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            min_matchmaking_time=min_matchmaking_time,
+            request_timeout=request_timeout,
+            client_mode=client_mode,
+            auxiliary=auxiliary,
+            bandwidth=bandwidth,
+        )
+        self.allreduce_config = AllreduceConfig(
+            compression=self.compression,
+            part_size_bytes=part_size_bytes,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout if next_chunk_timeout is not None else sender_timeout,
+        )
+        del reducer_timeout  # one per-chunk timeout covers both directions here
+        self.state_sharing_config = StateSharingConfig(
+            prefix=prefix,
+            allow_state_sharing=allow_state_sharing,
+            client_mode=client_mode,
+            load_state_compression=self.state_compression,
+            declare_state_period=declare_state_period,
+        )
+        self._allow_state_sharing = allow_state_sharing
+        self._state_sharing_priority = 0
+        self._donor: StateDonor | None = None
+        self._loader: StateLoader | None = None
+        self._averaged_tensors = tensors
+        self._lock = threading.RLock()  # held while tensors are read or written by either side
+        self._loop: LoopThread | None = None
+        self._matchmaker: Matchmaker | None = None
+        self._service: AllreduceService | None = None
+        self._server: RPCServer | None = None
+        self._p2p: P2P | None = None
+        self.last_round: RoundReport | None = None
+        self.last_updated: float = get_dht_time()
+        if start:
+            self.run_in_background()
+
+    # ----- lifecycle
+
+    @property
+    def peer_id(self) -> Any:
+        return self.dht.peer_id
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.numel() for t in self._averaged_tensors)
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        """Whether newcomers may download this peer's state (settable, like hivemind's)."""
+        return self._allow_state_sharing
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        if value and self.client_mode:
+            raise ConfigurationError("a client-mode peer cannot share its state (it accepts no connections)")
+        self._allow_state_sharing = bool(value)
+        if self._donor is not None:
+            self._donor.allow_state_sharing = bool(value)
+
+    @property
+    def state_sharing_priority(self) -> int:
+        """Newcomers download from the peers with the highest priority (e.g. the training epoch)."""
+        return self._state_sharing_priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: int) -> None:
+        self._state_sharing_priority = int(value)
+        if self._donor is not None:
+            self._donor.set_version(int(value))
+
+    def is_alive(self) -> bool:
+        return self._loop is not None and self._loop.alive
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """Starts the background loop, registers the RPC handlers and joins the DHT-side services."""
+        if self._loop is not None:
+            raise RuntimeError("the averager is already running")
+        self._loop = LoopThread(f"averager[{self.prefix}]")
+        future = self._loop.submit(self._start_services())
+        if await_ready:
+            try:
+                future.result(timeout if timeout is not None else 60.0)
+            except BaseException:
+                self.shutdown()
+                raise
+
+    async def _start_services(self) -> None:
+        # A replica of the DHT's daemon of our own: dht.replicate_p2p() caches one per process, and
+        # a cached replica's listener dies with the event loop that first registered a handler on it.
+        daemon_maddr = await self.dht.run_coroutine(_daemon_listen_maddr, return_future=True)
+        self._p2p = p2p = await P2P.replicate(daemon_maddr)
+        namespace = f"averager.{self.prefix}"
+        self._server = RPCServer(p2p, namespace)
+        self._service = AllreduceService(self._server, RPCClient(p2p, namespace), peer_id=p2p.peer_id)
+        await self._service.start()
+        self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id)
+        self._loader = StateLoader(self.state_sharing_config, dht=self.dht, p2p=p2p)
+        if not self.client_mode:  # a client-mode peer can never serve: it accepts no connections
+            self._donor = StateDonor(
+                self.state_sharing_config,
+                dht=self.dht,
+                p2p=p2p,
+                get_state=self.get_current_state,
+                version=self._state_sharing_priority,
+            )
+            self._donor.allow_state_sharing = self._allow_state_sharing
+            await self._donor.start()
+
+    async def _stop_services(self) -> None:
+        for stop in (
+            self._donor and self._donor.shutdown(timeout=self.shutdown_timeout),
+            self._service and self._service.shutdown(),
+            self._server and self._server.shutdown(timeout=self.shutdown_timeout),
+            self._p2p and self._p2p.shutdown(),
+        ):
+            if stop is not None:
+                try:
+                    await stop
+                except HivemindExtError as e:
+                    logger.debug(f"error while shutting the averager down: {e}")
+
+    def shutdown(self) -> None:
+        """Stops background work; pending steps fail with an error. Idempotent."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if loop.alive:
+            with contextlib.suppress(HivemindExtError, TimeoutError):
+                loop.run(self._stop_services(), timeout=3 * self.shutdown_timeout + 1)
+        loop.stop(timeout=self.shutdown_timeout)
+
+    def __enter__(self) -> DecentralizedAverager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if getattr(self, "_loop", None) is not None:
+            with contextlib.suppress(Exception):
+                self.shutdown()
+
+    # ----- tensors and state
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
+        """The averaged tensors, which the averager will not modify while this block runs."""
+        with self._lock:
+            yield self._averaged_tensors
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo]]:
+        """What a newcomer downloads: (small metadata, tensors, infos). Subclasses override it."""
+        with self.get_tensors() as tensors:
+            return {"prefix": self.prefix}, [t.detach().clone() for t in tensors], self.tensor_infos
+
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | None:
+        """Downloads the newest state (metadata, tensors) that other peers share, or None if nobody does.
+
+        Like hivemind, this only returns the state: the caller decides how to apply it. If donors
+        exist but every download failed, the failure is logged and None is returned.
+
+        :param wait: block for the result; else return a ``concurrent.futures.Future``
+        :param timeout: give up after this many seconds (default: 600)
+        """
+        if not self.is_alive() or self._loader is None or self._loop is None:
+            raise RuntimeError("the averager is not running: pass start=True or call run_in_background()")
+        future = self._loop.submit(self._load_state(timeout))
+        return future.result() if wait else future
+
+    async def _load_state(self, timeout: float | None) -> tuple[Any, list[torch.Tensor]] | None:
+        assert self._loader is not None
+        try:
+            return await self._loader.load_state_from_peers(timeout=timeout)
+        except StateLoadError as e:
+            logger.warning(f"could not download the state from peers: {e}")
+            return None
+
+    # ----- averaging
+
+    def step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+        wait: bool = True,
+    ) -> dict[Any, Any] | StepControl:
+        """Finds a group and averages with it once.
+
+        :param gather: small msgpack-able metadata sent to every groupmate; the result maps each
+          member's peer id to what it sent
+        :param scheduled_time: DHT time at which to start the all-reduce even if the group is not full
+        :param weight: this peer's weight in the average (default 1, auxiliary peers 0)
+        :param timeout: give up if no group is found within this many seconds
+        :param allow_retries: on a failed round, look for another group until ``timeout``
+        :param require_trigger: wait for ``control.allow_allreduce()`` before the all-reduce (needs wait=False)
+        :param wait: block until done and return the gathered data; else return a StepControl
+        :raises MatchmakingError, AllreduceError: (with wait=True) when the step fails
+        """
+        if not self.is_alive():
+            raise RuntimeError("the averager is not running: pass start=True or call run_in_background()")
+        if wait and require_trigger:
+            raise ConfigurationError("a step that waits cannot also wait for a trigger: pass wait=False")
+        if weight is None:
+            weight = 0.0 if self.auxiliary else 1.0
+        elif self.auxiliary and weight:
+            logger.warning("auxiliary peers contribute no tensors: their weight is ignored")
+            weight = 0.0
+        now = get_dht_time()
+        deadline = now + (timeout if timeout is not None else NO_DEADLINE)
+        if scheduled_time is None:
+            scheduled_time = min(now + self.matchmaking_config.min_matchmaking_time, deadline - 1e-3)
+        control = StepControl(
+            scheduled_time=scheduled_time, deadline=deadline, allow_retries=allow_retries, weight=weight, gather=gather
+        )
+        if not require_trigger:
+            control.allow_allreduce()
+        assert self._loop is not None
+        task_future = self._loop.submit(self._run_step(control))
+        control.add_done_callback(lambda c: task_future.cancel() if c.cancelled() else None)
+        return control.result() if wait else control
+
+    async def _run_step(self, control: StepControl) -> None:
+        control.bind_to_running_loop()
+        try:
+            while True:
+                try:
+                    gathered = await self._attempt(control)
+                except (MatchmakingError, AllreduceError, DeadlineExceededError) as e:
+                    if not control.allow_retries or get_dht_time() >= control.deadline or control.done():
+                        _settle(control, exception=e)
+                        return
+                    logger.info(f"averaging round failed ({e}); looking for another group")
+                    continue
+                _settle(control, result=gathered)
+                return
+        except BaseException as e:
+            _settle(control, exception=e if isinstance(e, Exception) else AllreduceError("the averager stopped"))
+            raise
+        finally:
+            control.stage = AveragingStage.FINISHED
+
+    async def _attempt(self, control: StepControl) -> dict[Any, Any]:
+        assert self._matchmaker is not None and self._service is not None
+        control.stage = AveragingStage.LOOKING_FOR_GROUP
+        group = await self._matchmaker.look_for_group(deadline=control.deadline, scheduled_time=control.scheduled_time)
+        if not control.triggered:
+            control.stage = AveragingStage.AWAITING_TRIGGER
+            await control.wait_for_trigger()
+        control.stage = AveragingStage.RUNNING_ALLREDUCE
+        with self._lock:
+            start_values = [t.detach().clone() for t in self._averaged_tensors]
+        started = get_dht_time()
+        result: AllreduceResult = await self._service.run_round(
+            group,
+            [] if self.auxiliary else start_values,
+            weight=control.weight,
+            gather=control.gather,
+            config=self.allreduce_config,
+            tensor_infos=self.tensor_infos,
+        )
+        if group.size > 1 and not any(len(part.contributors) > 1 for part in result.parts):
+            raise AllreduceError(f"the round with {group.size} peers averaged nothing: {result.excluded}")
+        if not self.auxiliary:
+            with self._lock:
+                for tensor, before, average in zip(self._averaged_tensors, start_values, result.tensors, strict=True):
+                    tensor.add_(average.to(tensor.dtype) - before, alpha=self.averaging_alpha)
+            self.last_updated = get_dht_time()
+        self.last_round = RoundReport(
+            group_size=group.size,
+            contributors=tuple(tuple(str(p) for p in part) for part in result.contributors),
+            excluded={str(peer): reason for peer, reason in result.excluded.items()},
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received,
+            seconds=get_dht_time() - started,
+        )
+        return result.gathered
+
+
+async def _daemon_listen_maddr(_dht: DHT, node: Any) -> Any:
+    """Runs inside the DHT's process: the address its libp2p daemon listens on for clients."""
+    return node.p2p.daemon_listen_maddr
+
+
+def _settle(control: StepControl, *, result: Any = None, exception: BaseException | None = None) -> None:
+    if control.done():
+        return
+    if exception is not None:
+        control.set_exception(exception)
+    else:
+        control.set_result(result)
+
+
+def _check_tensors(tensors: list[torch.Tensor]) -> None:
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ConfigurationError("averaged_tensors must be torch tensors")
+    for t in tensors:
+        if not t.dtype.is_floating_point:
+            raise ConfigurationError(f"averaged tensors must be floating point, got {t.dtype}")
+        if t.requires_grad and t.is_leaf:
+            raise ConfigurationError("pass tensors detached from autograd (e.g. [p.detach() for p in params])")

@@ -1,0 +1,215 @@
+"""DecentralizedAverager end to end: real DHTs and libp2p daemons on 127.0.0.1, hivemind's API."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import hivemind
+import hivemind.compression
+import pytest
+import torch
+from swarm import local_swarm
+
+from hivemind_ext.averaging import AveragingStage, DecentralizedAverager
+from hivemind_ext.compression import Float16Compression
+from hivemind_ext.errors import ConfigurationError, MatchmakingError
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+CLIENT = 4  # the swarm's client-mode DHT
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[hivemind.DHT]]:
+    with local_swarm(5, client_indices=[CLIENT]) as dhts:
+        yield dhts
+
+
+def fresh_prefix() -> str:
+    return f"averager-test-{next(_prefixes)}"
+
+
+def make_tensors(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(1000, generator=generator),
+        torch.randn(3, 17, generator=generator),
+        torch.randn(1, generator=generator).squeeze(),
+    ]
+
+
+def averagers(dhts: Sequence[hivemind.DHT], prefix: str, **kwargs: Any) -> list[DecentralizedAverager]:
+    options = dict(target_group_size=len(dhts), min_matchmaking_time=30.0, request_timeout=1.0, start=True)
+    options.update(kwargs)
+    return [DecentralizedAverager(make_tensors(seed), dht, prefix=prefix, **options) for seed, dht in enumerate(dhts)]
+
+
+def step_all(group: Sequence[DecentralizedAverager], **kwargs_by_peer: Sequence[Any]) -> list[Any]:
+    """Calls step() on every averager at once (as separate peers would) and returns the results in order."""
+    with concurrent.futures.ThreadPoolExecutor(len(group)) as pool:
+        futures = [
+            pool.submit(averager.step, timeout=30, **{k: v[i] for k, v in kwargs_by_peer.items()})
+            for i, averager in enumerate(group)
+        ]
+        return [future.result(timeout=60) for future in futures]
+
+
+def shutdown_all(group: Sequence[DecentralizedAverager]) -> None:
+    for averager in group:
+        averager.shutdown()
+
+
+def test_four_peers_reach_the_weighted_mean_and_gather(swarm: list[hivemind.DHT]) -> None:
+    group = averagers(swarm[:4], fresh_prefix())
+    try:
+        weights = [1.0, 2.0, 3.0, 4.0]
+        originals = [make_tensors(seed) for seed in range(4)]
+        started = time.monotonic()
+        results = step_all(group, weight=weights, gather=[{"peer": i} for i in range(4)])
+        elapsed = time.monotonic() - started
+        assert elapsed < 10, f"a full group must form at once, not after min_matchmaking_time ({elapsed:.1f} s)"
+        for index, expected in enumerate(zip(*originals, strict=True)):
+            mean = sum(w * t for w, t in zip(weights, expected, strict=True)) / sum(weights)
+            for averager in group:
+                with averager.get_tensors() as tensors:
+                    torch.testing.assert_close(tensors[index], mean, rtol=1e-5, atol=1e-6)
+        for averager, gathered in zip(group, results, strict=True):
+            assert sorted(value["peer"] for value in gathered.values()) == [0, 1, 2, 3]
+            assert averager.last_round is not None and averager.last_round.group_size == 4
+            assert averager.last_round.excluded == {}
+    finally:
+        shutdown_all(group)
+
+
+def test_averaging_alpha_moves_part_of_the_way(swarm: list[hivemind.DHT]) -> None:
+    group = averagers(swarm[:2], fresh_prefix(), averaging_alpha=0.25)
+    try:
+        originals = [make_tensors(seed) for seed in range(2)]
+        step_all(group)
+        for averager, own in zip(group, originals, strict=True):
+            with averager.get_tensors() as tensors:
+                for tensor, mine, other in zip(tensors, own, originals[1 - group.index(averager)], strict=True):
+                    torch.testing.assert_close(tensor, mine + 0.25 * ((mine + other) / 2 - mine))
+    finally:
+        shutdown_all(group)
+
+
+def test_client_mode_and_auxiliary_peers(swarm: list[hivemind.DHT]) -> None:
+    prefix = fresh_prefix()
+    trainers = [
+        DecentralizedAverager(make_tensors(0), swarm[0], prefix=prefix, target_group_size=4, start=True),
+        DecentralizedAverager(make_tensors(1), swarm[1], prefix=prefix, target_group_size=4, start=True),
+        DecentralizedAverager(make_tensors(4), swarm[CLIENT], prefix=prefix, target_group_size=4, start=True),
+    ]
+    helper = DecentralizedAverager(
+        make_tensors(2), swarm[2], prefix=prefix, target_group_size=4, auxiliary=True, start=True
+    )
+    group = [*trainers, helper]
+    try:
+        assert trainers[2].client_mode and not trainers[2].allow_state_sharing  # taken from the DHT
+        step_all(group)
+        expected = [sum(ts) / 3 for ts in zip(make_tensors(0), make_tensors(1), make_tensors(4), strict=True)]
+        for averager in trainers:
+            with averager.get_tensors() as tensors:
+                for tensor, mean in zip(tensors, expected, strict=True):
+                    torch.testing.assert_close(tensor, mean, rtol=1e-5, atol=1e-6)
+        with helper.get_tensors() as tensors:  # an auxiliary peer contributes and receives nothing
+            for tensor, own in zip(tensors, make_tensors(2), strict=True):
+                torch.testing.assert_close(tensor, own)
+    finally:
+        shutdown_all(group)
+
+
+def test_trigger_holds_the_allreduce_and_cancel_stops_a_step(swarm: list[hivemind.DHT]) -> None:
+    group = averagers(swarm[:2], fresh_prefix(), compression=Float16Compression())
+    try:
+        controls = [a.step(wait=False, require_trigger=True, timeout=30) for a in group]
+        deadline = time.monotonic() + 15
+        while not all(c.stage == AveragingStage.AWAITING_TRIGGER for c in controls):
+            assert time.monotonic() < deadline, [c.stage for c in controls]
+            time.sleep(0.02)
+        with group[0].get_tensors() as tensors:
+            before = tensors[0].clone()
+        time.sleep(0.3)
+        assert not any(c.done() for c in controls)
+        with group[0].get_tensors() as tensors:
+            torch.testing.assert_close(tensors[0], before)  # nothing averaged before the trigger
+        for control in controls:
+            control.allow_allreduce()
+        assert all(len(c.result(timeout=30)) == 2 for c in controls)
+
+        lonely = group[0].step(wait=False, timeout=30)  # nobody else is looking: it would wait 30 s
+        time.sleep(0.3)
+        assert lonely.cancel() and lonely.cancelled()
+        assert len(step_all(group)[0]) == 2  # the averager still works after a cancelled step
+    finally:
+        shutdown_all(group)
+
+
+def test_a_lonely_peer_fails_at_its_timeout(swarm: list[hivemind.DHT]) -> None:
+    (averager,) = averagers(swarm[:1], fresh_prefix(), target_group_size=2, min_matchmaking_time=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MatchmakingError):
+            averager.step(timeout=2.0)
+        assert 1.5 < time.monotonic() - started < 5.0
+    finally:
+        averager.shutdown()
+
+
+def test_newcomer_downloads_the_state_with_the_highest_priority(swarm: list[hivemind.DHT]) -> None:
+    prefix = fresh_prefix()
+    old, new, newcomer = averagers(swarm[:3], prefix)
+    try:
+        old.state_sharing_priority, new.state_sharing_priority = 1, 5
+        newcomer.allow_state_sharing = False
+        deadline = time.monotonic() + 20
+        while True:
+            loaded = newcomer.load_state_from_peers(timeout=10)
+            with new.get_tensors() as tensors:
+                if loaded is not None and torch.equal(loaded[1][0], tensors[0]):
+                    break
+            assert time.monotonic() < deadline, "the newest donor's state never arrived"
+            time.sleep(0.5)  # donors may not have advertised their new priority yet
+        metadata, tensors = loaded
+        assert metadata == {"prefix": prefix}
+        for got, want in zip(tensors, make_tensors(1), strict=True):
+            assert torch.equal(got, want)
+    finally:
+        shutdown_all([old, new, newcomer])
+
+
+def test_restart_on_the_same_dht(swarm: list[hivemind.DHT]) -> None:
+    prefix = fresh_prefix()
+    shutdown_all(averagers(swarm[:2], prefix))
+    group = averagers(swarm[:2], prefix)  # handlers are registered again on the same daemons
+    try:
+        assert all(len(gathered) == 2 for gathered in step_all(group))
+    finally:
+        shutdown_all(group)
+
+
+def test_arguments_are_checked_and_hivemind_codecs_accepted(swarm: list[hivemind.DHT]) -> None:
+    with pytest.raises(ConfigurationError):
+        DecentralizedAverager(make_tensors(0), swarm[0], prefix="x", client_mode=True, auxiliary=True, start=False)
+    with pytest.raises(ConfigurationError):
+        DecentralizedAverager([torch.zeros(3, dtype=torch.int64)], swarm[0], prefix="x", start=False)
+    with pytest.raises(ConfigurationError):
+        DecentralizedAverager(make_tensors(0), swarm[0], prefix="x", averaging_alpha=0.0, start=False)
+    averager = DecentralizedAverager(
+        make_tensors(0), swarm[0], prefix="x", compression=hivemind.compression.Float16Compression(), start=False
+    )
+    assert isinstance(averager.compression, Float16Compression)
+    with pytest.raises(RuntimeError):
+        averager.step()  # not started
+    with DecentralizedAverager(make_tensors(0), swarm[0], prefix=fresh_prefix(), start=True) as running:
+        with pytest.raises(ConfigurationError):
+            running.step(wait=True, require_trigger=True)
+        with pytest.raises(ConfigurationError):
+            running.step(weight=-1.0)
+    assert not running.is_alive()
