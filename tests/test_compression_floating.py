@@ -157,12 +157,20 @@ def test_bfloat16_relative_error_in_the_normal_range(dtype: torch.dtype) -> None
     assert bool(((decoded - x.double()).abs() <= bound).all())
 
 
+SCALES_AND_OFFSETS = [(1.0, 0.0), (1e-6, 0.0), (1e-3, 5e-2), (1e4, -3e5), (1e-9, 0.0)]
+
+
 @pytest.mark.parametrize("chunk_size", [1, 7, 4096])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize(("scale", "offset"), [(1.0, 0.0), (1e-6, 0.0), (1e-3, 5e-2), (1e4, -3e5), (1e-9, 0.0)])
+@pytest.mark.parametrize(
+    ("dtype", "scale", "offset"),
+    [
+        (dtype, scale, offset)
+        for dtype in FLOAT_DTYPES
+        for scale, offset in SCALES_AND_OFFSETS
+        if dtype != torch.float16 or (scale * 10 <= 65504 and abs(offset) <= 65504)  # float16 can hold the input
+    ],
+)
 def test_scaled_float16_error_bound(chunk_size: int, dtype: torch.dtype, scale: float, offset: float) -> None:
-    if dtype == torch.float16 and (scale * 10 > 65504 or abs(offset) > 65504):
-        pytest.skip("beyond float16's range")
     x = (torch.randn(10_007, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * scale + offset).to(
         dtype
     )
@@ -400,10 +408,9 @@ def test_allow_inplace_gives_the_same_result() -> None:
 
 
 def test_non_contiguous_input() -> None:
-    x = torch.randn(8, 6)[:, ::2]
-    for codec in FLOAT_CODECS:
-        decoded = round_trip(codec, x)
-        assert torch.allclose(decoded, x, rtol=2**-7, atol=1e-6)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))[:, ::2]
+    for codec in FLOAT_CODECS:  # a strided view encodes exactly like its contiguous copy
+        assert torch.equal(round_trip(codec, x), round_trip(codec, x.contiguous()))
 
 
 # ----- CUDA (skipped without a device)
