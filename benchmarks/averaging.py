@@ -12,6 +12,7 @@ MinMaxUInt8 with hivemind's Uniform8BitQuantization (see the README).
 
     python benchmarks/averaging.py
     python benchmarks/averaging.py --peers 4 --size 16M --rounds 5 --codecs none float16 MinMaxUInt8
+    python benchmarks/averaging.py --direct   # ours over the opt-in direct TCP path (hivemind unchanged)
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ CODECS = {
 STEP_TIMEOUT = 60.0
 
 
-def make_averager(impl: str, codec: str, tensor: Any, dht: Any, prefix: str, peers: int) -> Any:
+def make_averager(impl: str, codec: str, tensor: Any, dht: Any, prefix: str, peers: int, direct: bool) -> Any:
+    extra: dict[str, Any] = {}
     if impl == "ours":
+        if direct:  # plain TCP between our peers, authenticated through libp2p; loopback only here
+            extra["direct_data_path"] = "127.0.0.1"
         import hivemind_ext.compression as compression
         from hivemind_ext.averaging import DecentralizedAverager
 
@@ -59,6 +63,7 @@ def make_averager(impl: str, codec: str, tensor: Any, dht: Any, prefix: str, pee
         request_timeout=3.0,
         compression=compression_obj,
         start=True,
+        **extra,
     )
 
 
@@ -74,7 +79,7 @@ def peer_main(
     try:
         dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         tensor = torch.randn(SIZES[args.size], generator=torch.Generator().manual_seed(index))
-        averager = make_averager(impl, codec, tensor, dht, f"bench_{impl}_{codec}", args.peers)
+        averager = make_averager(impl, codec, tensor, dht, f"bench_{impl}_{codec}", args.peers, args.direct)
         for round_index in range(args.rounds + 1):  # round 0 warms up connections
             barrier.wait(timeout=120)
             start = time.time()
@@ -133,6 +138,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
     parser.add_argument("--impls", nargs="+", default=["ours", "hivemind"], choices=["ours", "hivemind"])
+    parser.add_argument(
+        "--direct", action="store_true", help="ours over the direct TCP data path (unencrypted; hivemind unchanged)"
+    )
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
     print(f"machine: {describe_machine()}")
@@ -155,11 +163,12 @@ def main() -> None:
         hm_text = f"{hm_median:.3f} s" if hm_median else "-"
         sent_text = f"{statistics.median(sent) / 1e6:.1f} MB" if sent else "n/a"
         ours_text = f"{ours_median:.3f} s" if ours_median else "-"
-        print(f"{codec:12s} round: ours {ours_text} | hivemind {hm_text} | ours/hivemind {ratio} {note}")
+        ours_label = "ours (direct)" if args.direct else "ours"
+        print(f"{codec:12s} round: {ours_label} {ours_text} | hivemind {hm_text} | ours/hivemind {ratio} {note}")
         print(f"{codec:12s} bytes sent per peer: {sent_text} (uncompressed butterfly minimum {minimum / 1e6:.1f} MB)")
         results.append(
             lower_is_better(
-                f"{codec} {args.peers} peers {args.size}",
+                f"{codec} {args.peers} peers {args.size}" + (" direct" if args.direct else ""),
                 "s/round",
                 ours_median and round(ours_median, 4),
                 None if hm_median is None else round(hm_median, 4),

@@ -86,6 +86,31 @@ def test_four_peers_reach_the_weighted_mean_and_gather(swarm: list[hivemind.DHT]
         shutdown_all(group)
 
 
+def test_direct_data_path_mixed_with_libp2p_peers_reaches_the_mean(swarm: list[hivemind.DHT]) -> None:
+    prefix = fresh_prefix()
+    options = dict(target_group_size=3, min_matchmaking_time=30.0, request_timeout=1.0, start=True)
+    group = [
+        DecentralizedAverager(make_tensors(0), swarm[0], prefix=prefix, direct_data_path="127.0.0.1", **options),
+        DecentralizedAverager(make_tensors(1), swarm[1], prefix=prefix, direct_data_path="127.0.0.1", **options),
+        DecentralizedAverager(make_tensors(2), swarm[2], prefix=prefix, **options),  # no direct path: libp2p
+    ]
+    try:
+        originals = [make_tensors(seed) for seed in range(3)]
+        step_all(group)
+        for index, expected in enumerate(zip(*originals, strict=True)):
+            for averager in group:
+                with averager.get_tensors() as tensors:
+                    torch.testing.assert_close(tensors[index], sum(expected) / 3, rtol=1e-5, atol=1e-6)
+            assert all(averager.last_round.excluded == {} for averager in group)
+        connector = group[0]._service.rpc_client.direct  # white-box: which transport each peer got
+        assert connector is not None and not connector.is_failing(group[1]._p2p.peer_id)
+        assert connector.is_failing(group[2]._p2p.peer_id)  # fell back to libp2p
+        with pytest.raises(ConfigurationError):
+            DecentralizedAverager(make_tensors(0), swarm[0], prefix="x", direct_data_path="localhost", start=False)
+    finally:
+        shutdown_all(group)
+
+
 def test_averaging_alpha_moves_part_of_the_way(swarm: list[hivemind.DHT]) -> None:
     group = averagers(swarm[:2], fresh_prefix(), averaging_alpha=0.25)
     try:

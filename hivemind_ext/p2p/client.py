@@ -13,6 +13,10 @@ on the loop clock; the client's ``default_timeout`` if neither is given):
 Any failure raises a typed error (see ``hivemind_ext.errors``); an ERROR frame from the server
 becomes the exception its kind names (``RemoteError`` for a handler exception). A failed,
 cancelled or timed-out operation closes the stream: it cannot be resumed mid-frame.
+
+With ``prefer_direct=True`` a call first tries the peer's direct data path (plain TCP, see
+:mod:`~hivemind_ext.p2p.direct_wire`; authenticated but **not encrypted**, so for loopback or
+trusted networks only) and falls back to libp2p whenever that path is unavailable.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from hivemind_ext.errors import (
     ProtocolError,
 )
 from hivemind_ext.p2p.deadlines import remaining, resolve_deadline, wait_until
+from hivemind_ext.p2p.direct_client import DirectClientConfig, DirectConnector
+from hivemind_ext.p2p.direct_wire import TICKET_HANDLER
 from hivemind_ext.p2p.framing import Frame, FrameKind, encode_frame_head, open_header, protocol_name
 from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.stream import FramedStream
@@ -50,10 +56,20 @@ class RPCClient:
 
     :param limits: default largest message this client sends or accepts (per call: ``limits=``)
     :param default_timeout: applies to calls that pass neither ``timeout`` nor ``deadline``
+    :param prefer_direct: open calls over the server's direct TCP path where it offers one (see
+      ``RPCServer.enable_direct``), falling back to libp2p; unencrypted, so off by default
+    :param direct_config: timeouts and caching of the direct path (with ``prefer_direct``)
     """
 
     def __init__(
-        self, p2p: P2P, namespace: str, *, limits: Limits | None = None, default_timeout: float = DEFAULT_TIMEOUT
+        self,
+        p2p: P2P,
+        namespace: str,
+        *,
+        limits: Limits | None = None,
+        default_timeout: float = DEFAULT_TIMEOUT,
+        prefer_direct: bool = False,
+        direct_config: DirectClientConfig | None = None,
     ) -> None:
         protocol_name(namespace, "x")  # validates the namespace early
         if not isinstance(default_timeout, int | float) or not 0 < default_timeout < float("inf"):
@@ -61,6 +77,9 @@ class RPCClient:
         self.p2p, self.namespace = p2p, namespace
         self.limits = limits if limits is not None else Limits()
         self.default_timeout = default_timeout
+        if not isinstance(prefer_direct, bool):
+            raise ConfigurationError(f"prefer_direct must be a bool, got {prefer_direct!r}")
+        self.direct = DirectConnector(self._call_for_ticket, direct_config) if prefer_direct else None
 
     async def call(
         self,
@@ -140,6 +159,21 @@ class RPCClient:
             yield call
 
     async def _open(self, peer_id: PeerID, name: str, deadline: float, limits: Limits) -> FramedStream:
+        connection = None
+        if self.direct is not None and name != TICKET_HANDLER:
+            connection = await self.direct.connect(peer_id, name, deadline)
+        if connection is None:
+            connection = await self._open_libp2p(peer_id, name, deadline)
+        stream = FramedStream(*connection, limits)
+        stream.send_nowait(FrameKind.OPEN, open_header(max(remaining(deadline), 1e-3)))
+        return stream
+
+    async def _call_for_ticket(self, peer_id: PeerID, request: Message, deadline: float) -> Message:
+        return await self.call(peer_id, TICKET_HANDLER, request, deadline=deadline, limits=Limits())
+
+    async def _open_libp2p(
+        self, peer_id: PeerID, name: str, deadline: float
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         protocol = protocol_name(self.namespace, name)
         try:
             _, reader, writer = await wait_until(
@@ -147,9 +181,7 @@ class RPCClient:
             )
         except (P2PDaemonError, ConnectionError, OSError) as e:
             raise PeerUnreachableError(f"cannot open {protocol} on {peer_id}: {type(e).__name__}: {e}") from e
-        stream = FramedStream(reader, writer, limits)
-        stream.send_nowait(FrameKind.OPEN, open_header(max(remaining(deadline), 1e-3)))
-        return stream
+        return reader, writer
 
 
 class ClientStream:

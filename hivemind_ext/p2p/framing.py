@@ -41,7 +41,11 @@ import msgpack
 
 from hivemind_ext.errors import ConfigurationError, MessageTooLargeError, PeerUnreachableError, ProtocolError
 from hivemind_ext.p2p.deadlines import wait_until
+from hivemind_ext.p2p.direct_transport import DirectStream
 from hivemind_ext.p2p.messages import Limits
+
+# What frames are read from: a libp2p stream's StreamReader, or the direct path's TCP stream.
+ByteReader = asyncio.StreamReader | DirectStream
 
 MAGIC = b"hx"
 VERSION = 1
@@ -160,7 +164,7 @@ def write_frame_nowait(writer: asyncio.StreamWriter, kind: FrameKind, header: Ma
     writer.write(encode_frame_head(kind, header, 0, Limits()))
 
 
-async def read_frame(reader: asyncio.StreamReader, *, limits: Limits, deadline: float) -> Frame:
+async def read_frame(reader: ByteReader, *, limits: Limits, deadline: float) -> Frame:
     """Reads one frame, or raises at ``deadline``.
 
     Raises :class:`PeerUnreachableError` if the stream ends cleanly before the frame starts,
@@ -170,7 +174,7 @@ async def read_frame(reader: asyncio.StreamReader, *, limits: Limits, deadline: 
     return await wait_until(_read_frame(reader, limits), deadline, "reading a frame")
 
 
-async def _read_frame(reader: asyncio.StreamReader, limits: Limits) -> Frame:
+async def _read_frame(reader: ByteReader, limits: Limits) -> Frame:
     try:
         prefix = await reader.readexactly(PREFIX_BYTES)
     except asyncio.IncompleteReadError as e:
@@ -190,18 +194,57 @@ async def _read_frame(reader: asyncio.StreamReader, limits: Limits) -> Frame:
     return Frame(kind, header, payload)
 
 
-async def _read_payload(reader: asyncio.StreamReader, nbytes: int) -> bytearray:
+async def _read_payload(reader: ByteReader, nbytes: int) -> bytearray:
     """Fills one preallocated buffer from the stream (readinto-style; no growing, no joining)."""
     payload = bytearray(nbytes)
     view = memoryview(payload)
+    if isinstance(reader, DirectStream):  # the kernel writes the payload straight into ``view``
+        try:
+            await reader.readexactly_into(view)
+        except asyncio.IncompleteReadError:
+            raise ProtocolError(f"stream ended inside a payload of {nbytes} bytes") from None
+        return payload
     filled = 0
     while filled < nbytes:
-        chunk = await reader.read(min(nbytes - filled, READ_CHUNK_BYTES))
-        if not chunk:
+        received = await readinto(reader, view[filled:])
+        if not received:
             raise ProtocolError(f"stream ended inside a payload ({filled} of {nbytes} bytes)")
-        view[filled : filled + len(chunk)] = chunk
-        filled += len(chunk)
+        filled += received
     return payload
+
+
+# asyncio.StreamReader.read(n) returns ``bytes(self._buffer[:n])``: two copies (a bytearray slice,
+# then bytes) before the caller's own copy into its buffer. Copying straight out of the reader's
+# buffer saves both; it relies on StreamReader internals that have not changed since Python 3.7,
+# so it is used only where they are present, with read() as the fallback.
+_FAST_READINTO = all(hasattr(asyncio.StreamReader, name) for name in ("_wait_for_data", "_maybe_resume_transport"))
+
+
+async def readinto(reader: asyncio.StreamReader, view: memoryview) -> int:
+    """Reads up to ``len(view)`` bytes into ``view`` as soon as any are available; 0 at end of stream.
+
+    Like ``read()`` followed by a copy, but without read()'s two intermediate objects when the
+    reader is a plain asyncio.StreamReader (one memcpy from the reader's buffer into ``view``).
+    """
+    if not view.nbytes:
+        return 0
+    buffer = getattr(reader, "_buffer", None) if _FAST_READINTO and type(reader) is asyncio.StreamReader else None
+    if not isinstance(buffer, bytearray):
+        chunk = await reader.read(min(view.nbytes, READ_CHUNK_BYTES))
+        view[: len(chunk)] = chunk
+        return len(chunk)
+    exception = reader.exception()
+    if exception is not None:
+        raise exception
+    if not buffer and not reader.at_eof():
+        await reader._wait_for_data("readinto")
+        buffer = reader._buffer
+    taken = min(len(buffer), view.nbytes)
+    with memoryview(buffer) as source:
+        view[:taken] = source[:taken]
+    del buffer[:taken]  # cheap: CPython drops a bytearray's prefix without moving the rest
+    reader._maybe_resume_transport()
+    return taken
 
 
 PROTOCOL_PREFIX = "/hivemind_ext"

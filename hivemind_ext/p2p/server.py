@@ -5,6 +5,10 @@ Each handler is registered with the libp2p daemon as its own protocol
 :mod:`~hivemind_ext.p2p.serving` then serves the call. The server owns every call in progress
 (asyncio's stream server starts them; the server adopts them), caps how many run at once per
 handler, and at shutdown removes its handlers and cancels and awaits the calls.
+
+Opt-in direct data path (:meth:`RPCServer.enable_direct`): the server also listens on a plain TCP
+socket and serves calls that arrive there with a one-time token obtained over libp2p (see
+:mod:`~hivemind_ext.p2p.direct_wire`). Such calls are authenticated but **not encrypted**.
 """
 
 from __future__ import annotations
@@ -13,13 +17,32 @@ import asyncio
 import logging
 from typing import Any, Literal
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from hivemind_ext.errors import ClosedError, ConfigurationError
+from hivemind_ext.errors import ClosedError, ConfigurationError, HivemindExtError, ProtocolError
 from hivemind_ext.p2p.deadlines import now, remaining, wait_until
+from hivemind_ext.p2p.direct_server import DirectConfig, DirectListener, TicketBook
+from hivemind_ext.p2p.direct_transport import DirectStream
+from hivemind_ext.p2p.direct_wire import (
+    ACCEPTED,
+    REJECTED,
+    TICKET_HANDLER,
+    parse_ticket_request,
+    read_hello,
+    ticket_response,
+)
 from hivemind_ext.p2p.framing import protocol_name
-from hivemind_ext.p2p.serving import HandlerConfig, Route, StreamHandler, UnaryHandler, report, serve_call
+from hivemind_ext.p2p.messages import Limits, Message
+from hivemind_ext.p2p.serving import (
+    HandlerConfig,
+    Route,
+    RPCContext,
+    StreamHandler,
+    UnaryHandler,
+    report,
+    serve_call,
+)
 from hivemind_ext.p2p.stream import FramedStream
 from hivemind_ext.p2p.tasks import TaskOwner
 from hivemind_ext.p2p.wire_errors import ErrorKind
@@ -29,6 +52,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONTROL_TIMEOUT = 10.0  # registering / removing a handler is a round trip to the local daemon
 # After its last frame, the server waits this long for the caller to hang up (see FramedStream.linger).
 LINGER_SECONDS = 2.0
+# A ticket request is a tiny header and a response is ~1 KiB: nothing bigger is accepted.
+TICKET_HANDLER_CONFIG = HandlerConfig(
+    limits=Limits(max_header_bytes=4096, max_payload_bytes=0), max_timeout=30.0, max_concurrent_calls=64
+)
 SHUTDOWN_MIN_WAIT = 1.0  # cancelled calls get at least this long to finish, even if removal used up the timeout
 
 
@@ -52,6 +79,9 @@ class RPCServer:
         self.default_config = config if config is not None else HandlerConfig()
         self._routes: dict[str, Route] = {}
         self._calls = TaskOwner(f"RPCServer({namespace}) calls")
+        self._direct: DirectListener | None = None
+        self._tickets: TicketBook | None = None
+        self._pending_hellos = 0
 
     @property
     def handlers(self) -> tuple[str, ...]:
@@ -84,10 +114,19 @@ class RPCServer:
         await self._add(name, "stream", handler, config, timeout)
 
     async def _add(
-        self, name: str, kind: Literal["unary", "stream"], handler: Any, config: HandlerConfig | None, timeout: float
+        self,
+        name: str,
+        kind: Literal["unary", "stream"],
+        handler: Any,
+        config: HandlerConfig | None,
+        timeout: float,
+        *,
+        reserved: bool = False,
     ) -> None:
         if self._calls.closing:
             raise ClosedError(f"RPCServer({self.namespace}) is shut down")
+        if name == TICKET_HANDLER and not reserved:
+            raise ConfigurationError(f"handler name {name!r} is reserved for the direct data path")
         if name in self._routes:
             raise ConfigurationError(f"handler {name!r} is already registered in namespace {self.namespace!r}")
         if not callable(handler):
@@ -106,6 +145,38 @@ class RPCServer:
             del self._routes[name]
             raise
 
+    async def enable_direct(self, config: DirectConfig, *, timeout: float = DEFAULT_CONTROL_TIMEOUT) -> tuple[str, int]:
+        """Also serves every handler over plain TCP to callers holding a ticket; returns (host, port).
+
+        The direct path is authenticated (tickets are handed out over libp2p to the PeerID that
+        asks, and each is good for one connection) but **not encrypted**: enable it only on
+        loopback or a trusted network. Callers opt in with ``RPCClient(..., prefer_direct=True)``
+        and fall back to libp2p whenever the direct path fails.
+        """
+        if not isinstance(config, DirectConfig):
+            raise ConfigurationError(f"config must be a DirectConfig, got {type(config).__name__}")
+        if self._calls.closing:
+            raise ClosedError(f"RPCServer({self.namespace}) is shut down")
+        if self._direct is not None:
+            raise ConfigurationError(f"the direct data path of namespace {self.namespace!r} is already enabled")
+        listener = DirectListener(config, self._serve_direct)
+        await wait_until(listener.start(), now() + timeout, "starting the direct listener")
+        self._direct, self._tickets = listener, TicketBook(config)
+        try:
+            await self._add(TICKET_HANDLER, "unary", self._issue_tickets, TICKET_HANDLER_CONFIG, timeout, reserved=True)
+        except BaseException:
+            listener.stop_accepting()
+            self._direct = self._tickets = None
+            raise
+        return config.advertised_host, listener.port
+
+    @property
+    def direct_address(self) -> tuple[str, int] | None:
+        """(host, port) that callers connect to for the direct path, or None if it is not enabled."""
+        if self._direct is None:
+            return None
+        return self._direct.config.advertised_host, self._direct.port
+
     async def remove(self, name: str, *, timeout: float = DEFAULT_CONTROL_TIMEOUT) -> None:
         """Stops accepting new calls to ``name`` (calls in progress run to completion)."""
         route = self._routes.pop(name, None)
@@ -121,6 +192,8 @@ class RPCServer:
         DeadlineExceededError only if handler code swallows its cancellation past ``timeout``.
         """
         deadline = now() + timeout
+        if self._direct is not None:
+            self._direct.stop_accepting()
         try:
             for name in list(self._routes):
                 route = self._routes.pop(name)
@@ -144,30 +217,94 @@ class RPCServer:
     async def _serve(
         self, route: Route, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        """One incoming stream, from adoption by this server to close; never raises but CancelledError
-        (asyncio's stream server, which started this task, would only log it)."""
+        """One incoming libp2p stream, from adoption by this server to close; never raises but
+        CancelledError (asyncio's stream server, which started this task, would only log it)."""
+        if self._adopt_current_task(writer):
+            await self._serve_adopted(route, info.peer_id, FramedStream(reader, writer, route.config.limits), "libp2p")
+
+    def _adopt_current_task(self, writer: asyncio.StreamWriter) -> bool:
+        """Makes this server own the connection's task (so that shutdown() cancels and awaits it)."""
         task = asyncio.current_task()
         try:
             if task is None:
                 raise ClosedError("no current task")
-            self._calls.adopt(task)  # so that shutdown() cancels and awaits this call
+            self._calls.adopt(task)
         except ClosedError:
             writer.transport.abort()
+            return False
+        return True
+
+    # ----- the direct data path
+
+    async def _issue_tickets(self, request: Message, context: RPCContext) -> Message:
+        """The ticket handler: tokens bound to the caller's libp2p identity (see direct_wire)."""
+        address = self.direct_address
+        if address is None or self._tickets is None:
+            raise ClosedError("the direct data path is not enabled")
+        try:
+            count = parse_ticket_request(request.header)
+        except ProtocolError as e:  # answered, not raised: a handler failure is logged as a warning
+            return Message({"error": str(e)})
+        tokens = self._tickets.issue(context.peer_id, count, now())
+        return Message(ticket_response(*address, self._tickets.config.token_ttl, tokens))
+
+    async def _serve_direct(self, reader: DirectStream, writer: asyncio.StreamWriter) -> None:
+        """One TCP connection: its hello (token + handler), then one call, as if it came over libp2p."""
+        if not self._adopt_current_task(writer):
             return
-        stream = FramedStream(reader, writer, route.config.limits)
+        if self._tickets is None or self._pending_hellos >= self._tickets.config.max_pending_hellos:
+            writer.transport.abort()
+            return
+        self._pending_hellos += 1
+        try:
+            accepted = await self._accept_hello(reader, writer, self._tickets)
+        except asyncio.CancelledError:
+            writer.transport.abort()
+            raise
+        finally:
+            self._pending_hellos -= 1
+        if accepted is None:
+            FramedStream(reader, writer, Limits()).close()  # flushes the REJECTED byte, aborts if stuck
+            return
+        route, peer_id = accepted
+        await self._serve_adopted(route, peer_id, FramedStream(reader, writer, route.config.limits), "direct")
+
+    async def _accept_hello(
+        self, reader: DirectStream, writer: asyncio.StreamWriter, tickets: TicketBook
+    ) -> tuple[Route, PeerID] | None:
+        """The route and authenticated caller of a new connection, after acknowledging it; None
+        (after a REJECTED byte where possible) for anything but a valid token and a known handler."""
+        try:
+            token, name = await read_hello(reader, now() + tickets.config.hello_timeout)
+        except HivemindExtError as e:
+            logger.debug(f"direct connection to {self.namespace} dropped: {type(e).__name__}: {e}")
+            return None
+        peer_id = tickets.redeem(token, now())
+        route = self._routes.get(name)
+        if peer_id is None or route is None or name == TICKET_HANDLER:
+            why = "invalid, used or expired token" if peer_id is None else f"no handler {name!r}"
+            logger.debug(f"direct connection to {self.namespace} refused: {why}")
+            writer.write(REJECTED)
+            return None
+        writer.write(ACCEPTED)
+        return route, peer_id
+
+    async def _serve_adopted(
+        self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Literal["libp2p", "direct"]
+    ) -> None:
         route.active_calls += 1
         try:
             if route.active_calls > route.config.max_concurrent_calls:
                 busy = ClosedError(f"{route.name} is serving {route.config.max_concurrent_calls} calls already")
                 report(stream, ErrorKind.UNAVAILABLE, busy)
             else:
-                await serve_call(route, info.peer_id, stream)
+                await serve_call(route, peer_id, stream, transport)
             await stream.linger(LINGER_SECONDS)
         except asyncio.CancelledError:
             report(stream, ErrorKind.UNAVAILABLE, ClosedError("the server is shutting down"))
             raise
         except Exception:  # a bug in this module: log it, keep serving others
-            logger.exception(f"unexpected failure serving {route.protocol} to {info.peer_id}")
+            logger.exception(f"unexpected failure serving {route.protocol} to {peer_id}")
         finally:
             route.active_calls -= 1
             stream.close()

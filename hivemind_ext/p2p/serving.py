@@ -43,6 +43,7 @@ class RPCContext:
     peer_id: PeerID  # the caller, as authenticated by libp2p (not self-declared)
     handler: str  # the handler's name within its namespace
     deadline: float  # on the loop clock (see deadlines.now); the server stops the handler at this time
+    transport: Literal["libp2p", "direct"] = "libp2p"  # "direct": plain TCP, authenticated through libp2p
 
     def time_left(self) -> float:
         return remaining(self.deadline)
@@ -135,7 +136,9 @@ class RequestStream:
         return Message(frame.header, frame.payload)
 
 
-async def serve_call(route: Route, peer_id: PeerID, stream: FramedStream) -> None:
+async def serve_call(
+    route: Route, peer_id: PeerID, stream: FramedStream, transport: Literal["libp2p", "direct"] = "libp2p"
+) -> None:
     """Serves one call on a freshly opened stream; reports every failure to the caller, raises only CancelledError."""
     try:
         caller_timeout = parse_open(await stream.receive(now() + route.config.open_timeout))
@@ -143,7 +146,7 @@ async def serve_call(route: Route, peer_id: PeerID, stream: FramedStream) -> Non
         _report_layer_error(stream, e, route, peer_id)
         return
     deadline = now() + min(caller_timeout, route.config.max_timeout)
-    context = RPCContext(peer_id=peer_id, handler=route.name, deadline=deadline)
+    context = RPCContext(peer_id=peer_id, handler=route.name, deadline=deadline, transport=transport)
     if route.kind == "unary":
         await _serve_unary(route, stream, context)
     else:

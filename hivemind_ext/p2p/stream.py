@@ -15,7 +15,15 @@ from typing import Any
 
 from hivemind_ext.errors import DeadlineExceededError
 from hivemind_ext.p2p.deadlines import now, wait_until
-from hivemind_ext.p2p.framing import Frame, FrameKind, encode_frame_head, read_frame, write_frame, write_frame_nowait
+from hivemind_ext.p2p.framing import (
+    ByteReader,
+    Frame,
+    FrameKind,
+    encode_frame_head,
+    read_frame,
+    write_frame,
+    write_frame_nowait,
+)
 from hivemind_ext.p2p.messages import Limits
 
 # The transport buffers this much before drain() blocks: a few write chunks in flight keep the
@@ -46,9 +54,9 @@ def _abort_if_still_flushing(transport: asyncio.BaseTransport) -> None:
 
 
 class FramedStream:
-    """Frames over one (reader, writer) pair of a libp2p stream opened through the daemon."""
+    """Frames over one (reader, writer) pair: a libp2p stream opened through the daemon, or a direct TCP stream."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limits: Limits) -> None:
+    def __init__(self, reader: ByteReader, writer: asyncio.StreamWriter, limits: Limits) -> None:
         tune_transport(writer)
         self.reader, self.writer, self.limits = reader, writer, limits
         self._send_lock = asyncio.Lock()

@@ -1,0 +1,163 @@
+"""The server's half of the opt-in direct data path: its settings, its tokens, its TCP listener.
+
+See :mod:`~hivemind_ext.p2p.direct_wire` for the protocol and why it exists. The direct path is
+**not encrypted**: enable it only where the network between the peers is trusted (loopback, a
+private cluster network). Every call that arrives over TCP is authenticated by a one-time token
+that the caller obtained over libp2p, so a handler sees the same ``ctx.peer_id`` either way.
+
+:class:`TicketBook` is pure bookkeeping (issue, redeem, expire), tested without a network.
+:class:`DirectListener` owns the TCP server socket; the RPC server owns the connections it accepts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import ipaddress
+import logging
+import math
+import secrets
+from collections.abc import Awaitable, Callable
+
+from hivemind.p2p import PeerID
+
+from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.p2p.direct_transport import DirectStream, start_direct_server
+from hivemind_ext.p2p.direct_wire import TOKEN_BYTES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DirectConfig:
+    """Settings of a server's direct (plain TCP, unencrypted, libp2p-authenticated) data path.
+
+    :param host: IP address to listen on (e.g. ``"127.0.0.1"``)
+    :param port: TCP port to listen on (0: any free port)
+    :param advertise_host: the address callers should connect to (default: ``host``; required
+      when listening on a wildcard address such as ``0.0.0.0``)
+    :param token_ttl: a token not redeemed within this many seconds is forgotten
+    :param max_tokens_per_peer: outstanding tokens per caller; issuing more drops its oldest
+    :param max_tokens: outstanding tokens in all; issuing more drops the oldest
+    :param hello_timeout: a new connection must present its token within this time
+    :param max_pending_hellos: connections still in their hello beyond this many are dropped at
+      once, which bounds what a flood of idle connections can cost
+    """
+
+    host: str
+    port: int = 0
+    advertise_host: str | None = None
+    token_ttl: float = 60.0
+    max_tokens_per_peer: int = 64
+    max_tokens: int = 4096
+    hello_timeout: float = 5.0
+    max_pending_hellos: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("host", "advertise_host"):
+            value = getattr(self, name)
+            if value is None and name == "advertise_host":
+                continue
+            try:
+                ipaddress.ip_address(value)
+            except (TypeError, ValueError):
+                raise ConfigurationError(f"{name} must be an IP address, got {value!r}") from None
+        if ipaddress.ip_address(self.advertised_host).is_unspecified:
+            raise ConfigurationError(f"listening on {self.host}: pass advertise_host, the address callers can reach")
+        if type(self.port) is not int or not 0 <= self.port <= 65535:
+            raise ConfigurationError(f"port must be an int in 0..65535, got {self.port!r}")
+        for name in ("token_ttl", "hello_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ConfigurationError(f"{name} must be a positive finite number of seconds, got {value!r}")
+        for name in ("max_tokens_per_peer", "max_tokens", "max_pending_hellos"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def advertised_host(self) -> str:
+        return self.advertise_host if self.advertise_host is not None else self.host
+
+
+class TicketBook:
+    """One-time tokens, each bound to the libp2p PeerID that asked for it, with an expiry time.
+
+    Times are on whatever monotonic clock the caller passes (the event loop's in practice).
+    """
+
+    def __init__(self, config: DirectConfig) -> None:
+        self.config = config
+        # token -> (peer, expires at); insertion order is issue order, so the oldest come first
+        self._tokens: collections.OrderedDict[bytes, tuple[PeerID, float]] = collections.OrderedDict()
+        self._per_peer: collections.Counter[PeerID] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def issue(self, peer_id: PeerID, count: int, now: float) -> list[bytes]:
+        """``count`` fresh tokens for ``peer_id``, valid until ``now + token_ttl``."""
+        self.expire(now)
+        tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in range(count)]
+        for token in tokens:
+            if self._per_peer[peer_id] >= self.config.max_tokens_per_peer:
+                self._drop_oldest_of(peer_id)
+            if len(self._tokens) >= self.config.max_tokens:
+                self._forget(next(iter(self._tokens)))
+            self._tokens[token] = (peer_id, now + self.config.token_ttl)
+            self._per_peer[peer_id] += 1
+        return tokens
+
+    def redeem(self, token: bytes, now: float) -> PeerID | None:
+        """The peer a valid token was issued to, consuming it; None if unknown, used or expired."""
+        entry = self._tokens.get(token)
+        if entry is None:
+            return None
+        self._forget(token)
+        peer_id, expires_at = entry
+        return peer_id if now < expires_at else None
+
+    def expire(self, now: float) -> None:
+        """Forgets every expired token (they expire in issue order, so this stops at the first live one)."""
+        while self._tokens:
+            token, (_, expires_at) = next(iter(self._tokens.items()))
+            if expires_at > now:
+                return
+            self._forget(token)
+
+    def _drop_oldest_of(self, peer_id: PeerID) -> None:
+        for token, (owner, _) in self._tokens.items():
+            if owner == peer_id:
+                self._forget(token)
+                return
+
+    def _forget(self, token: bytes) -> None:
+        peer_id, _ = self._tokens.pop(token)
+        self._per_peer[peer_id] -= 1
+        if self._per_peer[peer_id] <= 0:
+            del self._per_peer[peer_id]
+
+
+ConnectionCallback = Callable[[DirectStream, asyncio.StreamWriter], Awaitable[None]]
+
+
+class DirectListener:
+    """A TCP server socket whose connections go to ``on_connection`` (which must own and close them)."""
+
+    def __init__(self, config: DirectConfig, on_connection: ConnectionCallback) -> None:
+        self.config, self._on_connection = config, on_connection
+        self._server: asyncio.AbstractServer | None = None
+        self.port = 0  # the bound port, once started
+
+    async def start(self) -> None:
+        """Binds and listens (the event loop sets TCP_NODELAY on every accepted connection)."""
+        self._server = await start_direct_server(self._on_connection, self.config.host, self.config.port)
+        sockets = self._server.sockets
+        self.port = int(sockets[0].getsockname()[1]) if sockets else self.config.port
+
+    def stop_accepting(self) -> None:
+        """Closes the listening socket (connections already accepted are left to their owner)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None

@@ -1,0 +1,220 @@
+"""A TCP stream for the direct data path that receives payloads straight into their final buffer.
+
+Why: asyncio's StreamReader copies every received byte three times (the event loop's recv into
+a fresh bytes object, that into the reader's buffer, that into the caller's buffer). Over the
+direct path the peers' own CPU is the bottleneck, so :class:`DirectStream` is a
+``BufferedProtocol``: while :meth:`DirectStream.readexactly_into` waits, the kernel writes the
+bytes into the caller's buffer itself (one copy, the unavoidable one); other reads (frame
+prefixes and headers, the hello) go through a small internal buffer.
+
+A :class:`DirectStream` is the reader half that :class:`~hivemind_ext.p2p.stream.FramedStream`
+needs (``read``, ``readexactly``, ``readexactly_into``, ``at_eof``, ``exception``); the writer half
+is a standard ``asyncio.StreamWriter`` over the same transport, for which this class provides
+the write flow control (``_drain_helper``) that asyncio's ``FlowControlMixin`` would. It must not
+derive from ``asyncio.Protocol`` (as that mixin does): uvloop would then deliver data through
+``data_received`` instead of ``get_buffer``. One task reads at a time (FramedStream's receive lock
+guarantees it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+STAGING_BYTES = 256 * 1024  # receive buffer for bytes that no readexactly_into() is waiting for
+DEFAULT_LIMIT = 1024 * 1024  # reading pauses while this much is buffered and unread
+
+Connection = tuple["DirectStream", asyncio.StreamWriter]
+
+
+class DirectStream(asyncio.BufferedProtocol):
+    """The reading side of one TCP connection, receiving into the reader's buffer where it can."""
+
+    def __init__(self, limit: int = DEFAULT_LIMIT, on_connected: Callable[[Connection], Any] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._limit, self._on_connected = limit, on_connected
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._staging = memoryview(bytearray(STAGING_BYTES))
+        self._target: memoryview | None = None  # the buffer readexactly_into() is filling
+        self._target_filled = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._eof = False
+        self._exception: BaseException | None = None
+        self._reading_paused = False
+        self._closed = self._loop.create_future()
+        self._writing_paused = False
+        self._connection_lost = False
+        self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    # ----- protocol callbacks (called by the event loop)
+
+    def connection_made(self, transport: Any) -> None:  # a TCP transport (asyncio's or uvloop's)
+        self.transport = transport
+        if self._on_connected is not None:
+            self._on_connected((self, asyncio.StreamWriter(transport, self, None, self._loop)))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._target is not None:
+            return self._target[self._target_filled :]  # never empty: the target is released once full
+        return self._staging
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._target is not None:
+            self._target_filled += nbytes
+            if self._target_filled >= self._target.nbytes:
+                self._target = None
+                self._wake()
+            return
+        self._buffer += self._staging[:nbytes]
+        if len(self._buffer) > self._limit and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return True  # keep the transport open for writing, as asyncio's StreamReaderProtocol does
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._connection_lost = True
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_exception(exc if exc is not None else ConnectionResetError("connection lost"))
+        self._eof = True
+        if exc is not None:
+            self._exception = exc
+        self._wake()
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # ----- what asyncio.StreamWriter expects of its protocol
+
+    async def _drain_helper(self) -> None:
+        if self._connection_lost:
+            raise ConnectionResetError("connection lost")
+        if not self._writing_paused:
+            return
+        waiter = self._loop.create_future()
+        self._drain_waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            self._drain_waiters.remove(waiter)
+
+    def _get_close_waiter(self, stream: object) -> asyncio.Future[None]:
+        return self._closed  # StreamWriter.wait_closed() awaits this
+
+    # ----- reading (called by the one reading task)
+
+    def exception(self) -> BaseException | None:
+        return self._exception
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._buffer
+
+    async def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes as soon as any are available; b"" at end of stream."""
+        while not self._buffer:
+            self._raise_if_failed()
+            if self._eof:
+                return b""
+            await self._wait()
+        data = bytes(self._buffer[:n])
+        self._consume(len(data))
+        return data
+
+    async def readexactly(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            self._raise_if_failed()
+            if self._eof:
+                partial = bytes(self._buffer)
+                self._consume(len(partial))
+                raise asyncio.IncompleteReadError(partial, n)
+            await self._wait()
+        data = bytes(self._buffer[:n])
+        self._consume(n)
+        return data
+
+    async def readexactly_into(self, view: memoryview) -> None:
+        """Fills all of ``view``; raises IncompleteReadError if the stream ends first."""
+        taken = min(len(self._buffer), view.nbytes)
+        if taken:
+            with memoryview(self._buffer) as source:
+                view[:taken] = source[:taken]
+            self._consume(taken)
+        if taken == view.nbytes:
+            return
+        self._raise_if_failed()
+        if self._eof:
+            raise asyncio.IncompleteReadError(b"", view.nbytes)  # the partial bytes are in ``view``
+        self._target, self._target_filled = view[taken:], 0
+        try:
+            while self._target is not None:
+                self._raise_if_failed()
+                if self._eof:
+                    raise asyncio.IncompleteReadError(b"", view.nbytes)
+                await self._wait()
+        finally:
+            self._target = None  # also on cancellation: later bytes go to the internal buffer
+
+    def _consume(self, nbytes: int) -> None:
+        del self._buffer[:nbytes]
+        if self._reading_paused and len(self._buffer) <= self._limit and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def _raise_if_failed(self) -> None:
+        if self._exception is not None:
+            raise self._exception
+
+    async def _wait(self) -> None:
+        if self._waiter is not None:
+            raise RuntimeError("two tasks are reading one DirectStream at once")
+        if self._reading_paused and self.transport is not None:  # waiting while paused would never end
+            self._reading_paused = False
+            self.transport.resume_reading()
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+async def open_direct_connection(host: str, port: int) -> Connection:
+    """Connects to ``host:port``; (reader, writer) like ``asyncio.open_connection``."""
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.create_connection(DirectStream, host, port)
+    return protocol, asyncio.StreamWriter(transport, protocol, None, loop)
+
+
+async def start_direct_server(
+    on_connection: Callable[[DirectStream, asyncio.StreamWriter], Awaitable[None]], host: str, port: int
+) -> asyncio.AbstractServer:
+    """Listens on ``host:port``; runs ``on_connection(reader, writer)`` in a new task per connection
+    (like ``asyncio.start_server``; the callback must adopt and finish its task)."""
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()  # strong references until each task is done
+
+    def connected(connection: Connection) -> None:
+        task = loop.create_task(on_connection(*connection))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return await loop.create_server(lambda: DirectStream(on_connected=connected), host, port, reuse_address=True)
