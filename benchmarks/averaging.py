@@ -5,14 +5,15 @@ tensor (default 16M values), average it with target_group_size = N. Both average
 the same code through hivemind's API (our class is a drop-in), for each codec in turn. A round is
 timed from the moment all peers call ``step`` together (a barrier) until every peer holds its
 result; the benchmark prints the median over the rounds, the ratio to hivemind, and the bytes
-each of our peers sent against the butterfly minimum 2(N-1)/N x size.
+each of our peers sent against the butterfly minimum 2(N-1)/N x size. By default ours runs twice:
+over libp2p streams (like hivemind) and over the opt-in direct TCP data path.
 
 hivemind's 8-bit codecs raise TypeError under numpy 2; run this under numpy 1.26 to compare
 MinMaxUInt8 with hivemind's Uniform8BitQuantization (see the README).
 
     python benchmarks/averaging.py
     python benchmarks/averaging.py --peers 4 --size 16M --rounds 5 --codecs none float16 MinMaxUInt8
-    python benchmarks/averaging.py --direct   # ours over the opt-in direct TCP path (hivemind unchanged)
+    python benchmarks/averaging.py --transports direct   # ours only over the opt-in direct TCP path
 """
 
 from __future__ import annotations
@@ -68,7 +69,14 @@ def make_averager(impl: str, codec: str, tensor: Any, dht: Any, prefix: str, pee
 
 
 def peer_main(
-    index: int, impl: str, codec: str, args: argparse.Namespace, initial_peers: list[str], barrier: Any, results: Any
+    index: int,
+    impl: str,
+    codec: str,
+    direct: bool,
+    args: argparse.Namespace,
+    initial_peers: list[str],
+    barrier: Any,
+    results: Any,
 ) -> None:
     """One peer process: join the swarm, then run the rounds, reporting (index, round, t0, t1, bytes)."""
     import hivemind
@@ -79,7 +87,7 @@ def peer_main(
     try:
         dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         tensor = torch.randn(SIZES[args.size], generator=torch.Generator().manual_seed(index))
-        averager = make_averager(impl, codec, tensor, dht, f"bench_{impl}_{codec}", args.peers, args.direct)
+        averager = make_averager(impl, codec, tensor, dht, f"bench_{impl}_{codec}", args.peers, direct)
         for round_index in range(args.rounds + 1):  # round 0 warms up connections
             barrier.wait(timeout=120)
             start = time.time()
@@ -96,7 +104,7 @@ def peer_main(
             dht.shutdown()
 
 
-def run_swarm(impl: str, codec: str, args: argparse.Namespace) -> tuple[list[float], list[int]]:
+def run_swarm(impl: str, codec: str, args: argparse.Namespace, direct: bool = False) -> tuple[list[float], list[int]]:
     """Round times (s) and bytes sent per peer per round for one implementation and codec."""
     import hivemind
 
@@ -105,7 +113,7 @@ def run_swarm(impl: str, codec: str, args: argparse.Namespace) -> tuple[list[flo
     initial_peers = [str(addr) for addr in bootstrap.get_visible_maddrs()]
     barrier, results = context.Barrier(args.peers), context.Queue()
     processes = [
-        context.Process(target=peer_main, args=(i, impl, codec, args, initial_peers, barrier, results))
+        context.Process(target=peer_main, args=(i, impl, codec, direct, args, initial_peers, barrier, results))
         for i in range(args.peers)
     ]
     for process in processes:
@@ -139,7 +147,11 @@ def main() -> None:
     parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
     parser.add_argument("--impls", nargs="+", default=["ours", "hivemind"], choices=["ours", "hivemind"])
     parser.add_argument(
-        "--direct", action="store_true", help="ours over the direct TCP data path (unencrypted; hivemind unchanged)"
+        "--transports",
+        nargs="+",
+        default=["libp2p", "direct"],
+        choices=["libp2p", "direct"],
+        help="how our peers move data: libp2p streams, and/or the opt-in direct TCP path (hivemind unchanged)",
     )
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
@@ -148,10 +160,7 @@ def main() -> None:
     minimum = 2 * (args.peers - 1) / args.peers * numel * 4
     results: list[Result] = []
     for codec in args.codecs:
-        ours_median, sent, hm_median, note = None, [], None, ""
-        if "ours" in args.impls:
-            ours, sent = run_swarm("ours", codec, args)
-            ours_median = statistics.median(ours)
+        hm_median, note = None, ""
         if "hivemind" in args.impls:
             try:
                 hm_median = statistics.median(run_swarm("hivemind", codec, args)[0])
@@ -159,31 +168,29 @@ def main() -> None:
                 note = f"hivemind failed: {str(e).strip().splitlines()[-1][:160]}"
         if CODECS[codec][1] != CODECS[codec][0]:
             note = note or f"vs hivemind {CODECS[codec][1]}"
-        ratio = f"{ours_median / hm_median:.2f}x hivemind's time" if hm_median and ours_median else "n/a"
         hm_text = f"{hm_median:.3f} s" if hm_median else "-"
-        sent_text = f"{statistics.median(sent) / 1e6:.1f} MB" if sent else "n/a"
-        ours_text = f"{ours_median:.3f} s" if ours_median else "-"
-        ours_label = "ours (direct)" if args.direct else "ours"
-        print(f"{codec:12s} round: {ours_label} {ours_text} | hivemind {hm_text} | ours/hivemind {ratio} {note}")
-        print(f"{codec:12s} bytes sent per peer: {sent_text} (uncompressed butterfly minimum {minimum / 1e6:.1f} MB)")
-        results.append(
-            lower_is_better(
-                f"{codec} {args.peers} peers {args.size}" + (" direct" if args.direct else ""),
-                "s/round",
-                ours_median and round(ours_median, 4),
-                None if hm_median is None else round(hm_median, 4),
+        for transport in args.transports if "ours" in args.impls else []:
+            times, sent = run_swarm("ours", codec, args, direct=transport == "direct")
+            ours = statistics.median(times)
+            ratio = f"{ours / hm_median:.2f}x hivemind's time" if hm_median else "n/a"
+            sent_text = f"{statistics.median(sent) / 1e6:.1f} MB" if sent else "n/a"
+            label = f"{codec} over {transport}"
+            print(f"{label:24s} round: ours {ours:.3f} s | hivemind {hm_text} | ours/hivemind {ratio} {note}")
+            print(
+                f"{label:24s} bytes sent per peer: {sent_text} (uncompressed butterfly minimum {minimum / 1e6:.1f} MB)"
             )
-        )
-        if sent:
-            results.append(
-                Result(
-                    f"{codec} bytes sent per peer / butterfly minimum",
-                    "ratio",
-                    round(statistics.median(sent) / minimum, 4),
-                    None,
-                    None,
+            case = f"{codec} {args.peers} peers {args.size} {transport}"
+            results.append(lower_is_better(case, "s/round", round(ours, 4), hm_median and round(hm_median, 4)))
+            if sent:
+                results.append(
+                    Result(
+                        f"{case} bytes sent / butterfly minimum",
+                        "ratio",
+                        round(statistics.median(sent) / minimum, 4),
+                        None,
+                        None,
+                    )
                 )
-            )
     emit("averaging", results)
 
 
