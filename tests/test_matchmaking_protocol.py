@@ -30,6 +30,7 @@ from hivemind_ext.averaging.group_board import (
     sealed_write,
 )
 from hivemind_ext.averaging.group_protocol import (
+    EAGER_POLLS,
     RECORD_LIFETIME,
     URGENT_POLL_FRACTION,
     Following,
@@ -107,6 +108,14 @@ def test_a_member_that_is_not_the_leader_waits_and_polls_sooner() -> None:
     assert isinstance(result.state, Looking) and result.urgent  # its leader is about to seal
     alone = step(Looking(fresh(3)), NOW, board_of(declaration(0)), config())
     assert isinstance(alone.state, Looking) and not alone.urgent
+
+
+def test_a_peer_polls_at_the_urgent_pace_just_after_it_starts_looking() -> None:
+    cfg = config(poll_interval=0.05)
+    alone = Looking(fresh(0, declared_at=NOW))
+    assert step(alone, NOW, Board(), cfg).urgent
+    assert step(alone, NOW + (EAGER_POLLS - 0.5) * cfg.poll_interval, Board(), cfg).urgent
+    assert not step(alone, NOW + (EAGER_POLLS + 0.5) * cfg.poll_interval, Board(), cfg).urgent
 
 
 def test_a_peer_polls_sooner_while_its_group_is_being_formed() -> None:

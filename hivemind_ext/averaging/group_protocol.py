@@ -35,6 +35,8 @@ RECORD_LIFETIME = 3  # in request timeouts: outlives the longest wait on a seale
 REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left
 URGENT_POLL_FRACTION = 0.2  # share of poll_interval to wait between reads while a group is being formed
 
+EAGER_POLLS = 5  # for this many poll intervals after it starts looking, a peer reads at the urgent pace
+
 
 @dataclass(frozen=True)
 class Looking:
@@ -113,7 +115,10 @@ def _step_looking(me: Declaration, now: float, board: Board, config: Matchmaking
     peers = looking_peers(now, replace(board, declarations=overlay), config)
     mine = next((group for group in plan_groups(now, peers, config) if me in group), None)
     if mine is None or mine[0].member != me.member:
-        return Step(Looking(me), refresh, urgent=mine is not None)  # in a planned group: its leader seals soon
+        # In a planned group: its leader seals soon. Just started looking: peers that start at the same
+        # moment (as in synchronous training) are declaring right now. Either way, read again soon.
+        eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
+        return Step(Looking(me), refresh, urgent=mine is not None or eager)
     sealed = _seal(mine, now, config)
     joined, confirm = _mark(me, sealed.group_id, now, config)
     writes = (sealed_write(sealed, _record_expiration(now, config)), confirm)

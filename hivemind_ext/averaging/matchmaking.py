@@ -11,9 +11,13 @@ Usage (inside the averager's event loop)::
 The protocol
 ------------
 All records of a prefix live under one DHT key (see :mod:`.group_board`); every peer polls it with
-``get(key, latest=True)`` every ``poll_interval`` (five times as often while a group that includes
-it is being formed, which is short) and feeds what it read to the pure state machine
-:func:`.group_protocol.step`, which applies the grouping rule of :func:`.group.plan_groups`.
+``get(key, latest=True)`` every ``poll_interval``, five times as often while a group that includes
+it is being formed and for the first ``EAGER_POLLS`` poll intervals after it starts looking (peers
+of synchronous training start together), and feeds what it read to the pure state machine
+:func:`.group_protocol.step`, which applies the grouping rule of :func:`.group.plan_groups`. Each
+poll is one call into the DHT process (:func:`_store_then_read`): the step's records are stored in
+one ``store_many`` (one request per replica), and right after a declaration the board is read in
+the same call, so peers that declared at the same moment see each other without waiting a poll.
 
 1. **Declare.** A peer stores a declaration under a fresh attempt token: peer id, role, bandwidth,
    when it started looking (seniority), its scheduled time and deadline. The declaration expires
@@ -44,12 +48,17 @@ every try, so records of earlier rounds or attempts (still alive in the DHT for 
 ``request_timeout``) never match; consecutive rounds may reuse the prefix.
 
 Timing: once the last of four peers has declared, the group is final after four reads: one slow
-(the leader sees the last declaration) and three fast (members see the seal, the leader sees the
-confirmations, members see the commit), each with one DHT read and write of a few ms on loopback.
-Measured on loopback (2 cores, default ``poll_interval`` of 50 ms): 150-270 ms after the last peer
-started looking (about 120 ms with ``poll_interval=0.025``). For scale, hivemind 1.1.12's
-``DecentralizedAverager.step`` (RPC matchmaking plus an all-reduce of 4 floats) took 140-180 ms
-per round on the same machine.
+(the leader sees the last declaration: up to one ``poll_interval`` if it was idle, within a fast
+poll if it declared at the same moment) and three fast (members see the seal, the leader sees the
+confirmations, members see the commit), each one call into the DHT process of 5-20 ms on a loaded
+loopback. Measured with 4 peer processes on loopback (2 cores, default ``poll_interval`` of 50 ms,
+12 rounds per run, other jobs sharing the cores), from the moment the last peer started looking:
+97-175 ms (run medians 114 and 155 ms) when all start together, against 151-261 ms (medians 165 and
+179 ms) with one read per poll interval and separate stores; 105-192 ms (median 147 ms, before:
+125-245, median 154) when the last peer starts 0.5 s after the others, whose idle polls then wait
+up to one ``poll_interval`` before they see it. The rest is the four DHT round trips themselves.
+For scale, hivemind 1.1.12's ``DecentralizedAverager.step`` (RPC matchmaking plus an all-reduce of
+4 floats) took 140-180 ms per round on the same machine.
 
 Failure modes
 -------------
@@ -87,6 +96,7 @@ Failure modes
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import secrets
@@ -94,6 +104,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from hivemind import DHT
+from hivemind.dht import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
@@ -172,46 +183,45 @@ class Matchmaker:
                     raise MatchmakingError(f"no averaging group under {self.config.prefix!r} before the deadline")
                 if not self._dht.is_alive():  # its pipe would swallow our requests and never answer
                     raise MatchmakingError("the DHT process is not running")
-                urgent = False
+                urgent = read_now = False
                 if board is not None:  # None: the read failed, skip this poll
                     result = step(state, now, board, self.config)
                     urgent = result.urgent
                     if type(result.state) is not type(state):
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
                     state = result.state  # before the writes: if they are cancelled, withdraw from the new state
-                    stored = await self._store_all(result.writes, declaration.deadline)
                     if result.group is not None:
+                        stored, _ = await self._exchange(result.writes, False, declaration.deadline)
                         if not stored:  # members would never read the commit; withdrawing abandons it
                             raise MatchmakingError("the group's commit could not be stored in the DHT")
                         return result.group
-                pause = self.config.poll_interval * (URGENT_POLL_FRACTION if urgent else 1.0)
-                await asyncio.sleep(max(0.0, min(pause, declaration.deadline - get_dht_time())))
-                board = await self._read_board(declaration.deadline)
+                    # Having just (re)declared, read at once in the same call: peers that started at the
+                    # same moment are on the board by now. After any other write, nobody has answered yet.
+                    read_now = bool(result.writes) and isinstance(state, Looking)
+                    if result.writes:
+                        _, board = await self._exchange(result.writes, read_now, declaration.deadline)
+                if not read_now:
+                    pause = self.config.poll_interval * (URGENT_POLL_FRACTION if urgent else 1.0)
+                    await asyncio.sleep(max(0.0, min(pause, declaration.deadline - get_dht_time())))
+                    _, board = await self._exchange((), True, declaration.deadline)
         except BaseException:
             self._withdraw(state)
             raise
 
-    async def _read_board(self, deadline: float) -> Board | None:
-        """One snapshot of the prefix's records, or None if the DHT did not answer in time."""
-        result = await self._bounded(
-            self._send(lambda: self._dht.get(self._key, latest=True, return_future=True)), deadline
-        )
+    async def _exchange(self, writes: tuple[Write, ...], read: bool, deadline: float) -> tuple[bool, Board | None]:
+        """Store ``writes`` (all in one DHT store), then, if ``read``, read the board: one call to the
+        DHT process. Returns whether every write was stored, and the board (None if not read or the
+        call failed). The protocol tolerates lost writes (except a leader's commit), so a failed
+        write is only logged."""
+        request = functools.partial(_store_then_read, self._key, writes, read)
+        result = await self._bounded(self._send(lambda: self._dht.run_coroutine(request, return_future=True)), deadline)
         if result is _FAILED:
-            return None
-        value = getattr(result, "value", None)  # None: nobody has written under the key yet
-        entries = value.items() if isinstance(value, dict) else ()
-        return parse_board(self.config.prefix, ((k, v.value, v.expiration_time) for k, v in entries), get_dht_time())
-
-    async def _store_all(self, writes: tuple[Write, ...], deadline: float) -> bool:
-        """Store records one after another, in the order the protocol gave them (a sealed group before
-        the leader's marker, so whoever sees the marker also sees the group); True if all were stored.
-        The protocol tolerates lost writes (except a leader's commit), so a failure is only logged."""
-        stored = True
-        for write in writes:
-            if await self._bounded(self._store_nowait(write), deadline) is not True:
-                logger.debug("matchmaking record %s was not stored", write.subkey)
-                stored = False
-        return stored
+            return not writes, None
+        stored, entries = result
+        if not stored:
+            logger.debug("some of the matchmaking records %s were not stored", [w.subkey for w in writes])
+        board = None if entries is None else parse_board(self.config.prefix, entries, get_dht_time())
+        return stored, board
 
     def _withdraw(self, state: State) -> None:
         """Best effort, without waiting: the stores run in the DHT process even after we return."""
@@ -260,3 +270,26 @@ class Matchmaker:
         except Exception as e:  # the DHT process reports its failures as exceptions; the protocol tolerates them
             logger.warning("a matchmaking DHT call failed: %r", e)
             return _FAILED
+
+
+async def _store_then_read(
+    key: str, writes: tuple[Write, ...], read: bool, _dht: DHT, node: DHTNode
+) -> tuple[bool, list[tuple[Any, Any, float]] | None]:
+    """Runs inside the DHT process (see ``DHT.run_coroutine``): one store of all ``writes`` (one
+    request per replica, which applies them in order: whoever sees the leader's marker also sees its
+    group), then one ``get(latest=True)`` if ``read``. Returns plain values, as they cross a pipe."""
+    stored = True
+    if writes:
+        outcome = await node.store_many(
+            [key] * len(writes),
+            [write.value for write in writes],
+            [write.expiration_time for write in writes],
+            subkeys=[write.subkey for write in writes],
+        )
+        stored = all(outcome.values())
+    if not read:
+        return stored, None
+    found = await node.get(key, latest=True)
+    value = getattr(found, "value", None)  # None: nobody has written under the key yet
+    entries = value.items() if isinstance(value, dict) else ()
+    return stored, [(subkey, item.value, item.expiration_time) for subkey, item in entries]
