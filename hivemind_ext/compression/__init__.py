@@ -5,6 +5,12 @@ user's script keeps working with one import changed. See :mod:`hivemind_ext.comp
 the message format.
 """
 
+from hivemind_ext.compression.adaptive import (
+    AdaptiveCompressionBase,
+    PerTensorCompression,
+    RoleAdaptiveCompression,
+    SizeAdaptiveCompression,
+)
 from hivemind_ext.compression.base import (
     CODECS,
     Codec,
@@ -13,25 +19,44 @@ from hivemind_ext.compression.base import (
     TensorRole,
     decompress,
 )
+from hivemind_ext.compression.error_feedback import ErrorFeedback
 from hivemind_ext.compression.floating import (
     BFloat16Compression,
     Float16Compression,
     NoCompression,
     ScaledFloat16Compression,
 )
+from hivemind_ext.compression.minmax import MinMaxUInt4, MinMaxUInt8
+from hivemind_ext.compression.quantization import (
+    BlockwiseQuantization,
+    Quantile8BitQuantization,
+    Uniform8BitQuantization,
+)
+from hivemind_ext.compression.resolve import as_codec
 
 CompressionBase = Codec  # hivemind's name for the base class
 
 __all__ = [
     "CODECS",
+    "AdaptiveCompressionBase",
     "BFloat16Compression",
+    "BlockwiseQuantization",
     "Codec",
     "CompressedTensor",
     "CompressionBase",
     "CompressionInfo",
+    "ErrorFeedback",
     "Float16Compression",
+    "MinMaxUInt4",
+    "MinMaxUInt8",
     "NoCompression",
+    "PerTensorCompression",
+    "Quantile8BitQuantization",
+    "RoleAdaptiveCompression",
     "ScaledFloat16Compression",
+    "SizeAdaptiveCompression",
     "TensorRole",
+    "Uniform8BitQuantization",
+    "as_codec",
     "decompress",
 ]
