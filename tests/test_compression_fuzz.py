@@ -347,3 +347,10 @@ def test_each_codec_rejects_each_kind_of_bad_header(codec_id: str) -> None:
                 for size in {0, 1, 8, 64, 2 * max(0, math.prod(shape)) if math.prod(shape) < 100 else 3}:
                     header = {"codec": codec_id, "dtype": dtype, "shape": shape, "params": params}
                     check_header_and_payload(header, bytes(size))
+
+
+def test_empty_shape_with_huge_dimensions_is_rejected() -> None:
+    # found by hypothesis: numel is 0, but strides of the view would overflow int64
+    header = {"codec": "none", "dtype": "float32", "shape": [0, 4, 4, 4, 2**31 - 1, 2**26 + 1], "params": {}}
+    with pytest.raises(CompressionError):
+        decompress(CompressedTensor.from_wire(header, b""))

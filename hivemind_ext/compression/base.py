@@ -197,8 +197,8 @@ def _validate_header(header: Any) -> tuple[str, torch.dtype, tuple[int, ...], di
         raise CompressionError(f"shape must be a list of at most {MAX_NDIM} dimensions, got {shape!r:.200}")
     if not all(type(dim) is int and 0 <= dim <= MAX_NUMEL for dim in shape):
         raise CompressionError(f"shape dimensions must be integers in [0, {MAX_NUMEL}], got {shape!r:.200}")
-    if math.prod(shape) > MAX_NUMEL:
-        raise CompressionError(f"shape {shape} has more than {MAX_NUMEL} elements")
+    if math.prod(dim for dim in shape if dim) > MAX_NUMEL:  # zero dims too: strides must not overflow
+        raise CompressionError(f"shape {shape} is too large (more than {MAX_NUMEL} elements without its zeros)")
     if not isinstance(params, Mapping) or not all(isinstance(key, str) for key in params):
         raise CompressionError(f"params must be a map with string keys, got {params!r:.200}")
     return codec, DTYPES_BY_NAME[dtype_name], tuple(shape), dict(params)
