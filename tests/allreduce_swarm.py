@@ -19,6 +19,7 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 
@@ -106,6 +107,24 @@ class Swarm:
             self.loop.run_until_complete(stop())
         finally:
             self.loop.close()
+
+
+def swarm_fixtures(size: int = 4) -> tuple[Any, Any]:
+    """A test module's fixtures, to assign at its top level: ``swarm`` (one :class:`Swarm` of ``size``
+    peers for the whole module) and the autouse ``no_leftover_tasks`` (checked after every test)."""
+
+    @pytest.fixture(scope="module")
+    def swarm():
+        swarm = Swarm(size)
+        yield swarm
+        swarm.close()
+
+    @pytest.fixture(autouse=True)
+    def no_leftover_tasks(swarm):
+        yield
+        assert not swarm.leftover_tasks(), "a round left tasks running"
+
+    return swarm, no_leftover_tasks
 
 
 async def _leftovers(grace: float = 3.0) -> list[asyncio.Task[Any]]:

@@ -11,7 +11,7 @@ import asyncio
 import msgpack
 import pytest
 import torch
-from allreduce_swarm import Swarm, check_round, config, flat, group_of, make_tensors, run_round
+from allreduce_swarm import Swarm, check_round, config, flat, group_of, make_tensors, run_round, swarm_fixtures
 
 from hivemind_ext.averaging.allreduce import AllreduceConfig, AllreduceResult, RoundHooks
 from hivemind_ext.averaging.allreduce_wire import HANDLER_NAME, PROTOCOL_VERSION
@@ -26,21 +26,9 @@ from hivemind_ext.errors import AllreduceError, ConfigurationError
 from hivemind_ext.p2p import Message
 
 pytestmark = pytest.mark.timeout(60)
+swarm, no_leftover_tasks = swarm_fixtures(4)
 
 SHAPES = [(7, 13), (0,), (1000,), (3, 1, 5), (1,), (257,)]  # 1364 values; one tensor empty
-
-
-@pytest.fixture(scope="module")
-def swarm():
-    swarm = Swarm(4)
-    yield swarm
-    swarm.close()
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_tasks(swarm):
-    yield
-    assert not swarm.leftover_tasks(), "a round left tasks running"
 
 
 def inputs_for(count: int, shapes=SHAPES, dtypes=None, seed: int = 0):

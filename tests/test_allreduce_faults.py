@@ -9,12 +9,13 @@ drops every stream of the peer at once).
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Callable
 
 import pytest
 import torch
-from allreduce_swarm import Outcome, Swarm, check_round, config, group_of, make_tensors, run_round
+from allreduce_swarm import Outcome, Swarm, check_round, config, group_of, make_tensors, run_round, swarm_fixtures
 from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.allreduce import RoundHooks
@@ -22,23 +23,11 @@ from hivemind_ext.compression import Float16Compression, MinMaxUInt8, NoCompress
 from hivemind_ext.p2p import Message, pack_tensor
 
 pytestmark = pytest.mark.timeout(90)
+swarm, no_leftover_tasks = swarm_fixtures(4)
 
 SHAPES = [(40, 25), (333,), (0,), (2, 2, 50)]  # 1533 values
 NEXT_CHUNK_TIMEOUT, ALLREDUCE_TIMEOUT, MARGIN = 1.0, 4.0, 1.5
 FAULTY = 3  # the peer that misbehaves, unless a test says otherwise
-
-
-@pytest.fixture(scope="module")
-def swarm():
-    swarm = Swarm(4)
-    yield swarm
-    swarm.close()
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_tasks(swarm):
-    yield
-    assert not swarm.leftover_tasks(), "a round left tasks running"
 
 
 def fault_config(**overrides):
@@ -53,21 +42,22 @@ def run_faulty(swarm: Swarm, hooks: Callable[[dict], dict[int, RoundHooks]], *, 
     peers = swarm.peers
     inputs = [make_tensors(SHAPES, seed * 10 + i) for i in range(len(peers))]
     weights = [1.0 + (i * 7 + seed) % 4 for i in range(len(peers))]
+    outcomes = run_with_hooks(swarm, inputs, weights, hooks, cfg=cfg or fault_config(), skip=skip)
+    return inputs, weights, outcomes
+
+
+def run_with_hooks(
+    swarm: Swarm, inputs, weights, hooks: Callable[[dict], dict[int, RoundHooks]], *, cfg, skip, timeout=60
+):
+    """One round on the whole swarm with the given inputs and the hooks that ``hooks(tasks)`` builds
+    (as in :func:`run_faulty`); returns the outcomes."""
+    peers = swarm.peers
     tasks: dict = {}
     group = group_of([p.member() for p in peers])
-    outcomes = swarm.run(
-        run_round(
-            peers,
-            group,
-            inputs,
-            weights=weights,
-            config=cfg or fault_config(),
-            hooks=hooks(tasks),
-            skip=skip,
-            tasks_out=tasks,
-        )
+    return swarm.run(
+        run_round(peers, group, inputs, weights=weights, config=cfg, hooks=hooks(tasks), skip=skip, tasks_out=tasks),
+        timeout=timeout,
     )
-    return inputs, weights, outcomes
 
 
 def assert_excluded_everywhere(
@@ -98,17 +88,24 @@ def crash(tasks: dict, index: int) -> None:
 # ----- hooks
 
 
-class CrashWhileSending(RoundHooks):
-    """Crashes its peer (cancels its round) when it is about to send its ``after``-th chunk."""
+class CrashAfter(RoundHooks):
+    """Crashes peer ``index`` (cancels its round) at the ``after``-th call of :meth:`count_down`."""
 
     def __init__(self, tasks: dict, index: int, after: int) -> None:
         self.tasks, self.index, self.left = tasks, index, after
 
-    async def before_send_chunk(self, owner: PeerID, part: int, index: int, message: Message) -> Message:
+    async def count_down(self) -> None:
         self.left -= 1
         if self.left < 0:
             crash(self.tasks, self.index)
             await asyncio.sleep(3600)
+
+
+class CrashWhileSending(CrashAfter):
+    """Crashes its peer (cancels its round) when it is about to send its ``after``-th chunk."""
+
+    async def before_send_chunk(self, owner: PeerID, part: int, index: int, message: Message) -> Message:
+        await self.count_down()
         return message
 
 
@@ -126,17 +123,11 @@ class FailStreamTo(RoundHooks):
         return message
 
 
-class CrashWhileReducing(RoundHooks):
+class CrashWhileReducing(CrashAfter):
     """An owner that crashes after receiving ``after`` chunks."""
 
-    def __init__(self, tasks: dict, index: int, after: int) -> None:
-        self.tasks, self.index, self.left = tasks, index, after
-
     async def after_receive_chunk(self, sender: PeerID, part: int, index: int, message: Message) -> None:
-        self.left -= 1
-        if self.left < 0:
-            crash(self.tasks, self.index)
-            await asyncio.sleep(3600)
+        await self.count_down()
 
 
 class HangWhileReducing(RoundHooks):
@@ -447,20 +438,13 @@ def test_many_rounds_with_random_faults(swarm: Swarm) -> None:
         peers = swarm.peers
         inputs = [make_tensors(shapes, round_index * 10 + i) for i in range(4)]
         weights = [rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in range(4)]
-        tasks: dict = {}
-        hooks = random_hooks(rng, fault, faulty, swarm, tasks)
-        group = group_of([p.member() for p in peers])
-        outcomes = swarm.run(
-            run_round(
-                peers,
-                group,
-                inputs,
-                weights=weights,
-                config=fault_config(compression=codec, **cfg_timeouts),
-                hooks=hooks,
-                skip=[faulty] if fault == "absent" else [],
-                tasks_out=tasks,
-            ),
+        outcomes = run_with_hooks(
+            swarm,
+            inputs,
+            weights,
+            functools.partial(random_hooks, rng, fault, faulty, swarm),
+            cfg=fault_config(compression=codec, **cfg_timeouts),
+            skip=[faulty] if fault == "absent" else [],
             timeout=10,
         )
         honest = [i for i in range(4) if i != faulty or fault in ("none", "break_stream", "corrupt_result")]

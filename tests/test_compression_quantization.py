@@ -488,3 +488,17 @@ def test_cuda_nan_raises_and_corrupt_message_raises(codec: Codec) -> None:
     message = codec.compress(normal((5000,), device="cuda"))
     with pytest.raises(CompressionError):
         decompress(corrupt_first_section(message, 1, math.nan), device="cuda")
+
+
+@cuda_only
+@pytest.mark.parametrize("codec", CODECS, ids=codec_ids)
+def test_cuda_tiling_does_not_change_the_codes(codec: Codec, monkeypatch) -> None:
+    x = normal((20_011,), seed=10, device="cuda")
+    whole = codec.compress(x)
+    monkeypatch.setattr(minmax, "DEVICE_TILE_NUMEL", 1000)
+    tiled = codec.compress(x)
+    if isinstance(codec, Uniform8BitQuantization | Quantile8BitQuantization):
+        assert torch.equal(codes_of(whole), codes_of(tiled))
+    else:
+        assert torch.equal(whole.payload, tiled.payload)
+    assert torch.allclose(decompress(tiled, device="cuda"), decompress(whole, device="cuda"), rtol=1e-6, atol=0)

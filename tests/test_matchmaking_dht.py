@@ -113,7 +113,7 @@ def test_the_group_forms_well_under_a_second_after_the_last_peer_declares(swarm)
     (group,) = groups_of(results).values()
     assert group.size == 4
     print(f"4 peers, target 4: group final {elapsed * 1000:.0f} ms after the last peer started looking")
-    assert elapsed < 0.5, "measured 100-180 ms on a loaded 2-core box: a group forms within a few fast polls"
+    assert elapsed < 1.0, "measured 100-180 ms on a loaded 2-core box: a group forms within a few fast polls"
 
 
 @pytest.mark.timeout(60)

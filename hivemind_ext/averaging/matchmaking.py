@@ -114,6 +114,7 @@ from hivemind_ext.averaging.group_protocol import URGENT_POLL_FRACTION, Looking,
 from hivemind_ext.errors import ConfigurationError, MatchmakingError
 
 logger = logging.getLogger(__name__)
+COMMIT_ATTEMPTS = 3  # the commit is the one write that must land: members only ever return a committed group
 T = TypeVar("T")
 _FAILED = object()  # what _bounded returns for a DHT call that timed out or failed
 
@@ -191,7 +192,11 @@ class Matchmaker:
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
                     state = result.state  # before the writes: if they are cancelled, withdraw from the new state
                     if result.group is not None:
-                        stored, _ = await self._exchange(result.writes, False, declaration.deadline)
+                        for _ in range(COMMIT_ATTEMPTS):  # a loaded DHT may time out a store: try again
+                            stored, _ = await self._exchange(result.writes, False, declaration.deadline)
+                            if stored or get_dht_time() >= declaration.deadline:
+                                break
+                            logger.debug("%s: storing the group's commit failed, retrying", self.peer_id)
                         if not stored:  # members would never read the commit; withdrawing abandons it
                             raise MatchmakingError("the group's commit could not be stored in the DHT")
                         return result.group

@@ -36,8 +36,10 @@ from hivemind_ext.errors import CompressionError, ConfigurationError, NonFiniteT
 # tile: a fresh 64 MB temporary costs more in page faults than the arithmetic done on it, while scratch
 # tensors below 32 MB are recycled by the C allocator. Tiles are large (16 for 16M values) because each
 # op is one parallel region and their count, not their size, is what a busy 2-core machine punishes.
-# On other devices the whole tensor is one tile (no Python-level iteration).
 CPU_TILE_NUMEL = 1 << 20
+# On accelerators a tile only bounds the scratch memory (up to 16 bytes per value of a tile); tensors
+# below 64M values take one pass of kernels, without Python-level iteration.
+DEVICE_TILE_NUMEL = 1 << 26
 MAX_CHUNK_SIZE = 2**31
 HALF = 0.5  # scaling by a power of two is exact (save in the subnormal range)
 HUGE_PAGE = 1 << 21  # transparent huge pages on x86-64 and most arm64 Linux kernels
@@ -52,9 +54,10 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def tile_slices(numel: int, granule: int, device: torch.device) -> list[slice]:
     """Consecutive slices covering ``range(numel)``, each starting at a multiple of ``granule``."""
-    if device.type != "cpu" or numel <= CPU_TILE_NUMEL:
+    tile_numel = CPU_TILE_NUMEL if device.type == "cpu" else DEVICE_TILE_NUMEL
+    if numel <= tile_numel:
         return [slice(0, numel)]
-    step = max(1, CPU_TILE_NUMEL // granule) * granule
+    step = max(1, tile_numel // granule) * granule
     return [slice(start, min(start + step, numel)) for start in range(0, numel, step)]
 
 

@@ -7,8 +7,12 @@
 The first two send a codebook holding the mean of the values in each bucket (which lowers the error
 below that of bucket centres) followed by one code per value. None of them can represent NaN or Inf:
 compressing them raises :class:`NonFiniteTensorError`, detected from statistics the codec computes
-anyway (the mean, the minimum and maximum, the block absmax), never with an extra pass over the data.
-Decoding a message whose codebook or scales are not finite raises :class:`CompressionError`.
+anyway (the minimum and maximum, the block absmax), never with an extra pass over the data. Decoding
+a message whose codebook or scales are not finite raises :class:`CompressionError`.
+
+On CPU, large tensors are processed in tiles (see :mod:`hivemind_ext.compression.minmax`). Encoding
+and decoding wait for the device once, to check small statistics (on CUDA, each torch.bincount of the
+codebook codecs also reads its maximum back).
 """
 
 from __future__ import annotations

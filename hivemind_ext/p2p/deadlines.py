@@ -46,6 +46,15 @@ def resolve_deadline(timeout: float | None, deadline: float | None, default_time
     return min(candidates)
 
 
+def check_durations(config: object, *names: str) -> None:
+    """Raises :class:`ConfigurationError` unless every attribute ``names`` of ``config`` (a settings
+    object, checked as it is built) is a positive finite number of seconds."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ConfigurationError(f"{name} must be a positive finite number of seconds, got {value!r}")
+
+
 def remaining(deadline: float) -> float:
     """Seconds left until ``deadline`` (negative once it has passed)."""
     return deadline - now()

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from hivemind.p2p import PeerID
 
 from hivemind_ext.errors import ConfigurationError, HivemindExtError
-from hivemind_ext.p2p.deadlines import now, wait_until
+from hivemind_ext.p2p.deadlines import check_durations, now, wait_until
 from hivemind_ext.p2p.direct_transport import DirectStream, open_direct_connection
 from hivemind_ext.p2p.direct_wire import ACCEPTED, MAX_TOKENS_PER_TICKET, encode_hello, parse_ticket_response
 from hivemind_ext.p2p.messages import Message
@@ -52,10 +52,7 @@ class DirectClientConfig:
     max_peers: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("ticket_timeout", "connect_timeout", "retry_after"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not 0 < value < math.inf:
-                raise ConfigurationError(f"{name} must be a positive finite number of seconds, got {value!r}")
+        check_durations(self, "ticket_timeout", "connect_timeout", "retry_after")
         if type(self.tokens_per_ticket) is not int or not 1 <= self.tokens_per_ticket <= MAX_TOKENS_PER_TICKET:
             raise ConfigurationError(f"tokens_per_ticket must be an int in 1..{MAX_TOKENS_PER_TICKET}")
         if type(self.max_peers) is not int or self.max_peers < 1:

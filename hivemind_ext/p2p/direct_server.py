@@ -16,13 +16,13 @@ import collections
 import dataclasses
 import ipaddress
 import logging
-import math
 import secrets
 from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import PeerID
 
 from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.p2p.deadlines import check_durations
 from hivemind_ext.p2p.direct_transport import DirectStream, start_direct_server
 from hivemind_ext.p2p.direct_wire import TOKEN_BYTES
 
@@ -67,10 +67,7 @@ class DirectConfig:
             raise ConfigurationError(f"listening on {self.host}: pass advertise_host, the address callers can reach")
         if type(self.port) is not int or not 0 <= self.port <= 65535:
             raise ConfigurationError(f"port must be an int in 0..65535, got {self.port!r}")
-        for name in ("token_ttl", "hello_timeout"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not 0 < value < math.inf:
-                raise ConfigurationError(f"{name} must be a positive finite number of seconds, got {value!r}")
+        check_durations(self, "token_ttl", "hello_timeout")
         for name in ("max_tokens_per_peer", "max_tokens", "max_pending_hellos"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

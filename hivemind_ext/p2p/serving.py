@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
@@ -26,7 +25,7 @@ from hivemind_ext.errors import (
     PeerUnreachableError,
     ProtocolError,
 )
-from hivemind_ext.p2p.deadlines import now, remaining, wait_until
+from hivemind_ext.p2p.deadlines import check_durations, now, remaining, wait_until
 from hivemind_ext.p2p.framing import FrameKind, encode_frame_head, parse_open
 from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.stream import FramedStream
@@ -74,10 +73,7 @@ class HandlerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.limits, Limits):
             raise ConfigurationError(f"limits must be a Limits, got {type(self.limits).__name__}")
-        for name in ("max_timeout", "open_timeout"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not 0 < value < math.inf:
-                raise ConfigurationError(f"{name} must be a positive finite number of seconds, got {value!r}")
+        check_durations(self, "max_timeout", "open_timeout")
         if type(self.max_concurrent_calls) is not int or self.max_concurrent_calls < 1:
             raise ConfigurationError(f"max_concurrent_calls must be a positive int, got {self.max_concurrent_calls!r}")
 
