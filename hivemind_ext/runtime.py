@@ -32,9 +32,9 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 class LoopThread:
     """Runs an event loop in a daemon thread until :meth:`stop`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.name = name
-        self.loop = new_event_loop()
+        self.loop = loop if loop is not None else new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = False
         self._thread.start()

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
+from swarm import new_test_loop
 
 from hivemind_ext.averaging.allreduce import AllreduceConfig, AllreduceResult, AllreduceService, RoundHooks
 from hivemind_ext.averaging.group import GroupInfo, Member
@@ -29,7 +30,6 @@ from hivemind_ext.p2p import RPCClient, RPCServer
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 NAMESPACE = "allreduce_test"
-USE_UVLOOP = os.environ.get("HIVEMIND_EXT_TEST_LOOP", "asyncio") == "uvloop"
 ALLREDUCE_MODULES = ("allreduce", "allreduce_run", "allreduce_owner", "allreduce_sender", "allreduce_round")
 
 
@@ -55,12 +55,7 @@ class Swarm:
     """``size`` peers with running all-reduce services, on an event loop owned by this object."""
 
     def __init__(self, size: int, *, round_wait_timeout: float = 1.0) -> None:
-        if USE_UVLOOP:
-            import uvloop
-
-            self.loop = uvloop.new_event_loop()
-        else:
-            self.loop = asyncio.new_event_loop()
+        self.loop = new_test_loop()
         self.round_wait_timeout = round_wait_timeout
         self.peers: list[Peer] = []
         self.extra: list[Peer] = []

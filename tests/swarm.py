@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -11,6 +13,17 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+# HIVEMIND_EXT_TEST_LOOP=uvloop runs the async tests on uvloop (the loop production code uses).
+USE_UVLOOP = os.environ.get("HIVEMIND_EXT_TEST_LOOP", "asyncio") == "uvloop"
+
+
+def new_test_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop of the kind the test run asks for (asyncio unless HIVEMIND_EXT_TEST_LOOP=uvloop)."""
+    if USE_UVLOOP:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 def wait_until_connected(dhts: Sequence[hivemind.DHT], timeout: float = 30.0) -> None:

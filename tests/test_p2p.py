@@ -26,6 +26,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from swarm import USE_UVLOOP
 
 from hivemind_ext.compression import CompressedTensor, Float16Compression, decompress
 from hivemind_ext.errors import (
@@ -66,10 +67,6 @@ from hivemind_ext.p2p.framing import (
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 NAMESPACE = "test"
 P2P_PACKAGE_DIR = os.path.dirname(deadlines_module.__file__)
-
-
-# HIVEMIND_EXT_TEST_LOOP=uvloop runs every async test on uvloop (the loop production code uses).
-USE_UVLOOP = os.environ.get("HIVEMIND_EXT_TEST_LOOP", "asyncio") == "uvloop"
 
 
 def async_test(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:

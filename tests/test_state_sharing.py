@@ -2,8 +2,8 @@
 
 One swarm of five DHTs (the last in client mode) serves the whole module; every test uses its own
 prefix, so donor records and RPC handlers of one test never meet another's. All tests run in one
-event loop (a background thread) on one replica of each DHT's daemon (see :class:`LoopThread` for
-why). Faults are injected through :class:`DonorHooks`, the donor's seam for it.
+event loop (a background thread) on one replica of each DHT's daemon (see the ``network`` fixture
+for why). Faults are injected through :class:`DonorHooks`, the donor's seam for it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import os
 import secrets
 import threading
 import time
@@ -24,7 +23,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
-from swarm import local_swarm
+from swarm import local_swarm, new_test_loop
 
 from hivemind_ext.averaging.state_config import LOAD_STATE_HANDLER
 from hivemind_ext.averaging.state_manifest import chunk_ranges, chunks_request, manifest_request
@@ -40,6 +39,7 @@ from hivemind_ext.averaging.state_sharing import (
 from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import DeadlineExceededError, DonorBusyError, StateLoadError
 from hivemind_ext.p2p import Message, RPCClient
+from hivemind_ext.runtime import LoopThread
 
 pytestmark = pytest.mark.slow
 
@@ -54,40 +54,17 @@ def swarm() -> Iterator[list[hivemind.DHT]]:
         yield dhts
 
 
-class LoopThread:
-    """One event loop for the whole module, in a background thread, with one daemon replica per DHT.
-
-    Why not a loop per test: with hivemind 1.1.12, once a replica (``dht.replicate_p2p()``) that
-    registered stream handlers is shut down, stream handlers that later replicas register on the
-    same daemon cannot be reached ("failed to negotiate protocol: stream reset"). Replicas are bound
-    to their loop, so they live as long as the module's swarm, like an averager's would.
-    """
-
-    def __init__(self) -> None:
-        if os.environ.get("HIVEMIND_EXT_TEST_LOOP", "asyncio") == "uvloop":  # the loop production code uses
-            import uvloop
-
-            self.loop = uvloop.new_event_loop()
-        else:
-            self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="state-sharing-tests", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def network(swarm: list[hivemind.DHT]) -> Iterator[Network]:
-    runner = LoopThread()
+    # One loop for the whole module, not one per test: with hivemind 1.1.12, once a replica
+    # (``dht.replicate_p2p()``) that registered stream handlers is shut down, stream handlers that later
+    # replicas register on the same daemon cannot be reached ("failed to negotiate protocol: stream
+    # reset"). Replicas are bound to their loop, so they live as long as the module's swarm.
+    runner = LoopThread("state-sharing-tests", loop=new_test_loop())
     try:
-        p2ps = runner.run(replicate_all(swarm))
+        p2ps = runner.run(replicate_all(swarm), timeout=120)
         yield Network(swarm, p2ps, runner)
-        runner.run(shutdown_all(p2ps))
+        runner.run(shutdown_all(p2ps), timeout=120)
     finally:
         runner.stop()
 
@@ -106,7 +83,7 @@ def in_loop(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., Non
 
     @functools.wraps(test)
     def runner(network: Network, *args: Any, **kwargs: Any) -> None:
-        network.runner.run(test(network, *args, **kwargs))
+        network.runner.run(test(network, *args, **kwargs), timeout=120)
 
     return runner
 

@@ -366,8 +366,3 @@ def require_int_param(params: Mapping[str, Any], name: str, low: int, high: int,
 def require_exact_params(params: Mapping[str, Any], names: set[str], owner: str) -> None:
     if set(params) != names:
         raise CompressionError(f"{owner}: expected parameters {sorted(names)}, got {sorted(params)}")
-
-
-def require_finite(tensor: torch.Tensor, what: str, owner: str) -> None:
-    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
-        raise CompressionError(f"{owner}: {what} contains NaN or Inf")
