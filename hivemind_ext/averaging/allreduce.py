@@ -76,7 +76,7 @@ import collections
 import concurrent.futures
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -188,6 +188,9 @@ class AllreduceService:
         self._waiting: collections.Counter[bytes] = collections.Counter()
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = False
+        # called with a group id when a stream arrives before the local round of that group starts
+        # (a groupmate began its round: the averager tells the step that waits for its trigger)
+        self.on_early_stream: Callable[[bytes], None] | None = None
 
     async def start(self) -> None:
         """Registers the ``"allreduce"`` handler on the server."""
@@ -351,6 +354,8 @@ class AllreduceService:
                 if len(self._arrivals) >= MAX_EARLY_GROUPS:
                     raise ProtocolError("too many streams for groups that have not started here")
                 arrival = self._arrivals[group_id] = asyncio.Event()
+                if self.on_early_stream is not None:
+                    self.on_early_stream(group_id)
             self._waiting[group_id] += 1
             try:
                 await wait_until(arrival.wait(), deadline, "waiting for the round to start")

@@ -11,6 +11,7 @@ user made to the tensors during the round are kept.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -188,6 +189,7 @@ class DecentralizedAverager:
         self._service: AllreduceService | None = None
         self._server: RPCServer | None = None
         self._p2p: P2P | None = None
+        self._awaiting_trigger: dict[bytes, StepControl] = {}  # group id -> step waiting for its trigger
         self.last_round: RoundReport | None = None
         self.last_updated: float = get_dht_time()
         if start:
@@ -254,8 +256,10 @@ class DecentralizedAverager:
             await self._server.enable_direct(self._direct_config)
         client = RPCClient(p2p, namespace, prefer_direct=self._direct_config is not None)
         self._service = AllreduceService(self._server, client, peer_id=p2p.peer_id)
+        self._service.on_early_stream = self._on_early_stream
         await self._service.start()
         self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id)
+        self._looking = asyncio.Lock()  # concurrent steps look for groups one after another
         self._loader = StateLoader(self.state_sharing_config, dht=self.dht, p2p=p2p)
         if not self.client_mode:  # a client-mode peer can never serve: it accepts no connections
             self._donor = StateDonor(
@@ -409,10 +413,17 @@ class DecentralizedAverager:
     async def _attempt(self, control: StepControl) -> dict[Any, Any]:
         assert self._matchmaker is not None and self._service is not None
         control.stage = AveragingStage.LOOKING_FOR_GROUP
-        group = await self._matchmaker.look_for_group(deadline=control.deadline, scheduled_time=control.scheduled_time)
+        async with self._looking:
+            group = await self._matchmaker.look_for_group(
+                deadline=control.deadline, scheduled_time=control.scheduled_time
+            )
         if not control.triggered:
             control.stage = AveragingStage.AWAITING_TRIGGER
-            await control.wait_for_trigger()
+            self._awaiting_trigger[group.group_id] = control
+            try:
+                await control.wait_for_trigger()
+            finally:
+                self._awaiting_trigger.pop(group.group_id, None)
         control.stage = AveragingStage.RUNNING_ALLREDUCE
         with self._lock:
             start_values = [t.detach().clone() for t in self._averaged_tensors]
@@ -441,6 +452,11 @@ class DecentralizedAverager:
             seconds=get_dht_time() - started,
         )
         return result.gathered
+
+    def _on_early_stream(self, group_id: bytes) -> None:
+        control = self._awaiting_trigger.get(group_id)
+        if control is not None:
+            control.mark_groupmate_started()
 
 
 async def _daemon_listen_maddr(_dht: DHT, node: Any) -> Any:

@@ -44,6 +44,7 @@ class StepControl(concurrent.futures.Future):
         self.deadline, self.allow_retries, self.gather = deadline, allow_retries, gather
         self._stage = AveragingStage.IDLE
         self._trigger_set = threading.Event()
+        self._groupmate_started = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._trigger: asyncio.Event | None = None
 
@@ -82,6 +83,15 @@ class StepControl(concurrent.futures.Future):
     @property
     def triggered(self) -> bool:
         return self._trigger_set.is_set()
+
+    @property
+    def groupmate_started(self) -> bool:
+        """True once a member of this step's group began its all-reduce while this step still waits
+        for its trigger: the training thread can take that as the signal to end its epoch now."""
+        return self._groupmate_started.is_set()
+
+    def mark_groupmate_started(self) -> None:
+        self._groupmate_started.set()
 
     # ----- read by both sides
 

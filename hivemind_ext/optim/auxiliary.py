@@ -1,0 +1,134 @@
+"""An auxiliary peer: helps the swarm average gradients without training (no data, CPU only).
+
+It follows the swarm's progress through the :class:`.ProgressTracker`, joins each gradient
+averaging round when the swarm is about to reach ``target_batch_size``, owns a part of the
+all-reduce (it reduces what the trainers send and sends the averages back) and contributes no
+gradients. It needs no model: the round's layout arrives with the trainers' streams.
+
+Used by ``Optimizer(auxiliary=True)`` and by the command ``hivemind-ext aux``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from hivemind_ext.averaging.averager import DecentralizedAverager
+from hivemind_ext.averaging.control import StepControl
+from hivemind_ext.errors import HivemindExtError
+from hivemind_ext.optim.progress import ProgressTracker
+
+logger = logging.getLogger(__name__)
+
+
+class AuxiliaryPeer:
+    """:param averager: a DecentralizedAverager with ``auxiliary=True`` on the run's gradient prefix
+    :param tracker: the run's progress tracker
+    """
+
+    def __init__(
+        self,
+        *,
+        averager: DecentralizedAverager,
+        tracker: ProgressTracker,
+        matchmaking_time: float,
+        averaging_timeout: float,
+        status_loglevel: int = logging.INFO,
+    ) -> None:
+        self.averager, self.tracker = averager, tracker
+        self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
+        self.status_loglevel = status_loglevel
+        self.local_epoch = tracker.global_progress.epoch
+        self.rounds_joined = 0
+        self._control: StepControl | None = None
+
+    def step(self, max_wait: float = 1.0) -> None:
+        """One turn of the loop: (pre)schedule the next round, trigger it when the swarm is ready,
+        collect a finished one. Returns within about ``max_wait`` seconds."""
+        give_up = time.monotonic() + max_wait
+        while True:
+            self._turn()
+            if time.monotonic() >= give_up:
+                return
+            time.sleep(min(0.05, max(give_up - time.monotonic(), 0)))
+
+    def _turn(self) -> None:
+        progress = self.tracker.global_progress
+        if progress.epoch > self.local_epoch and self._control is None:
+            self.local_epoch = progress.epoch  # the swarm moved on without us
+        self.tracker.report_local_progress(self.local_epoch, 0)
+        now = get_dht_time()
+        if self._control is None and self.tracker.estimated_next_update_time - now <= self.matchmaking_time:
+            scheduled = max(self.tracker.estimated_next_update_time, now)
+            control = self.averager.step(
+                scheduled_time=scheduled, timeout=self.averaging_timeout, wait=False, require_trigger=True
+            )
+            assert isinstance(control, StepControl)
+            self._control = control
+        control = self._control
+        if control is None:
+            return
+        if not control.triggered and (self.tracker.ready_to_update_epoch or control.groupmate_started):
+            control.allow_allreduce()
+        if control.done():
+            self._control = None
+            try:
+                control.result(0)
+                self.rounds_joined += 1
+                logger.log(self.status_loglevel, f"helped average the gradients of epoch {self.local_epoch}")
+            except HivemindExtError as e:
+                logger.log(self.status_loglevel, f"an averaging round failed without us: {e}")
+            self.local_epoch = max(self.local_epoch + 1, self.tracker.global_progress.epoch)
+            self.tracker.update_epoch(self.local_epoch)
+
+    def shutdown(self) -> None:
+        if self._control is not None and not self._control.done():
+            self._control.cancel()
+        self._control = None
+
+
+def run_auxiliary_peer(
+    dht: DHT,
+    *,
+    run_id: str,
+    target_batch_size: int,
+    matchmaking_time: float = 5.0,
+    averaging_timeout: float = 60.0,
+    averager_opts: dict[str, Any] | None = None,
+    tracker_opts: dict[str, Any] | None = None,
+    max_rounds: int | None = None,
+) -> int:
+    """Runs an auxiliary peer until interrupted (or ``max_rounds`` rounds joined); returns the rounds joined."""
+    from hivemind_ext.optim.optimizer import grad_prefix, progress_prefix
+
+    tracker = ProgressTracker(dht, progress_prefix(run_id), target_batch_size, start=True, **(tracker_opts or {}))
+    averager = DecentralizedAverager(
+        [],
+        dht,
+        start=True,
+        prefix=grad_prefix(run_id),
+        auxiliary=True,
+        min_matchmaking_time=matchmaking_time,
+        allreduce_timeout=averaging_timeout,
+        **(averager_opts or {}),
+    )
+    peer = AuxiliaryPeer(
+        averager=averager, tracker=tracker, matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout
+    )
+    try:
+        while max_rounds is None or peer.rounds_joined < max_rounds:
+            peer.step()
+            progress = tracker.global_progress
+            logger.info(
+                f"epoch {progress.epoch}: {progress.samples_accumulated}/{target_batch_size} samples, "
+                f"{progress.num_peers} peers, {peer.rounds_joined} rounds helped"
+            )
+    finally:
+        peer.shutdown()
+        averager.shutdown()
+        tracker.shutdown()
+    return peer.rounds_joined

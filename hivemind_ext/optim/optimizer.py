@@ -1,0 +1,636 @@
+"""hivemind_ext.Optimizer: a drop-in replacement for ``hivemind.Optimizer``.
+
+Same keyword arguments, same meaning (see ``../shared/reference`` and the README). One *epoch* is the
+swarm processing ``target_batch_size`` samples together. Per call of ``step()``:
+
+1. finish background work that is done (a delayed optimizer step, a state averaging round);
+2. if this peer fell behind the swarm (or its last averaging failed), download the state from peers;
+3. synchronous mode: add the batch's gradients to the local accumulator; local updates: step now;
+4. report progress to the DHT (:class:`.ProgressTracker`); when the swarm's next epoch is near,
+   start matchmaking for the gradient round ahead of time (pre-scheduled, held by a trigger);
+5. when the swarm reached ``target_batch_size`` (or a groupmate already started the round): average
+   the gradients, weighted by samples, step the optimizer, step the scheduler, and every
+   ``average_state_every`` epochs average the parameters (in the background by default).
+
+Peers whose round fails proceed with their local gradients, as in hivemind, and download the
+state from their peers at their next step, which brings their parameters back in line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from hivemind_ext.averaging.control import StepControl
+from hivemind_ext.errors import (
+    AllreduceError,
+    ConfigurationError,
+    DeadlineExceededError,
+    HivemindExtError,
+    MatchmakingError,
+    StateLoadError,
+)
+from hivemind_ext.optim.auxiliary import AuxiliaryPeer
+from hivemind_ext.optim.background import BackgroundWorker
+from hivemind_ext.optim.config import OptimizerConfig
+from hivemind_ext.optim.grad_averager import GradientAverager
+from hivemind_ext.optim.grad_scaler import GradScaler
+from hivemind_ext.optim.param_groups import group_views
+from hivemind_ext.optim.progress import ProgressTracker
+from hivemind_ext.optim.state_averager import TrainingStateAverager
+from hivemind_ext.optim.training_state import TrainingState
+
+logger = logging.getLogger(__name__)
+
+ROUND_FAILURES = (MatchmakingError, AllreduceError, DeadlineExceededError)
+
+
+def grad_prefix(run_id: str) -> str:
+    return f"{run_id}_grad_averager"
+
+
+def state_prefix(run_id: str) -> str:
+    return f"{run_id}_state_averager"
+
+
+def progress_prefix(run_id: str) -> str:
+    return run_id  # the tracker stores under f"{run_id}_progress", as hivemind's does
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Wraps a PyTorch optimizer to train one model together with peers (see the module docstring).
+
+    Takes every keyword argument of ``hivemind.Optimizer`` with the same meaning; see the README for
+    the list. Differences: ``client_mode=True`` is honoured even when the DHT is not in client mode,
+    and ``grad_averager_factory`` must build a :class:`hivemind_ext.optim.GradientAverager`.
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: DHT,
+        run_id: str,
+        target_batch_size: int,
+        batch_size_per_step: int | None = None,
+        optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer],
+        params: Iterable[Any] | None = None,
+        scheduler: Any = None,
+        matchmaking_time: float | None = 15.0,
+        averaging_timeout: float | None = 60.0,
+        allreduce_timeout: float | None = None,
+        next_chunk_timeout: float | None = None,
+        load_state_timeout: float = 600.0,
+        reuse_grad_buffers: bool = False,
+        offload_optimizer: bool | None = None,
+        delay_optimizer_step: bool | None = None,
+        delay_grad_averaging: bool = False,
+        delay_state_averaging: bool = True,
+        average_state_every: int = 1,
+        use_local_updates: bool = False,
+        client_mode: bool | None = None,
+        auxiliary: bool = False,
+        grad_compression: Any = None,
+        grad_averager_factory: Callable[..., GradientAverager] | None = None,
+        state_averaging_compression: Any = None,
+        load_state_compression: Any = None,
+        average_opt_statistics: Sequence[str] = (),
+        extra_tensors: Sequence[torch.Tensor] = (),
+        averager_opts: dict | None = None,
+        tracker_opts: dict | None = None,
+        performance_ema_alpha: float = 0.1,
+        shutdown_timeout: float = 5,
+        verbose: bool = False,
+    ) -> None:
+        if not isinstance(dht, DHT):
+            raise ConfigurationError(f"dht must be a running hivemind.DHT, got {type(dht).__name__}")
+        params = list(params) if params is not None else None
+        self.config = config = OptimizerConfig.resolve(
+            dht_client_mode=bool(dht.client_mode),
+            optimizer_from_factory=params is not None,
+            custom_grad_averager=grad_averager_factory is not None,
+            client_mode=client_mode,
+            delay_optimizer_step=delay_optimizer_step,
+            delay_grad_averaging=delay_grad_averaging,
+            offload_optimizer=offload_optimizer,
+            use_local_updates=use_local_updates,
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            run_id=run_id,
+            target_batch_size=target_batch_size,
+            batch_size_per_step=batch_size_per_step,
+            load_state_timeout=load_state_timeout,
+            reuse_grad_buffers=reuse_grad_buffers,
+            delay_state_averaging=delay_state_averaging,
+            average_state_every=average_state_every,
+            auxiliary=auxiliary,
+            performance_ema_alpha=performance_ema_alpha,
+            shutdown_timeout=shutdown_timeout,
+            verbose=verbose,
+        )
+        self.dht, self.run_id = dht, run_id
+        self.status_loglevel = logging.INFO if verbose else logging.DEBUG
+        self._closed = False
+        self._state_lock = threading.RLock()
+        self.state_manager = TrainingState(
+            optimizer=optimizer,
+            params=params,
+            scheduler=scheduler,
+            offload=config.offload_optimizer,
+            extra_tensors=extra_tensors,
+            average_opt_statistics=average_opt_statistics,
+        )
+        self._param_groups: list = []
+        self._param_group_ids: list[int] = []
+        # what torch.optim.Optimizer's own methods and hooks expect to find
+        self.defaults = dict(getattr(self.state_manager.optimizer, "defaults", {}))
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+
+        self._started: list[Any] = []  # what shutdown() must stop, in start order
+        try:
+            self._start_components(
+                grad_compression,
+                grad_averager_factory,
+                state_averaging_compression,
+                load_state_compression,
+                dict(averager_opts or {}),
+                dict(tracker_opts or {}),
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+        self._background = BackgroundWorker(f"{run_id}-optimizer")
+        self._scheduled_grads: StepControl | None = None
+        self._resync = False  # the last gradient round failed: download the state at the next step
+        self._first_step = True
+        self.last_epoch_samples = 0  # samples averaged in this peer's last epoch (its group's total)
+        self.blocked_seconds = 0.0  # time step() spent waiting for the swarm (averaging, downloads)
+
+    # ----- construction
+
+    def _start_components(
+        self,
+        grad_compression: Any,
+        grad_averager_factory: Callable[..., GradientAverager] | None,
+        state_averaging_compression: Any,
+        load_state_compression: Any,
+        averager_opts: dict[str, Any],
+        tracker_opts: dict[str, Any],
+    ) -> None:
+        config = self.config
+        tracker_opts.setdefault("performance_ema_alpha", config.performance_ema_alpha)
+        try:
+            self.tracker = ProgressTracker(
+                self.dht,
+                progress_prefix(config.run_id),
+                config.target_batch_size,
+                client_mode=config.client_mode,
+                status_loglevel=self.status_loglevel,
+                start=True,
+                **tracker_opts,
+            )
+        except TypeError as e:
+            raise ConfigurationError(f"tracker_opts: {e}") from e
+        self._started.append(self.tracker)
+        common = dict(
+            start=True,
+            min_matchmaking_time=config.matchmaking_time,
+            allreduce_timeout=config.allreduce_timeout,
+            next_chunk_timeout=config.next_chunk_timeout,
+            client_mode=config.client_mode,
+            shutdown_timeout=config.shutdown_timeout,
+        )
+        common.update(averager_opts)
+        try:
+            self.state_averager = TrainingStateAverager(
+                self.state_manager,
+                dht=self.dht,
+                prefix=state_prefix(config.run_id),
+                state_lock=self._state_lock,
+                compression=state_averaging_compression,
+                state_compression=load_state_compression,
+                allow_state_sharing=not config.client_mode and not config.auxiliary,
+                **common,
+            )
+            self._started.append(self.state_averager)
+            self.grad_averager: GradientAverager | None = None
+            self._aux: AuxiliaryPeer | None = None
+            if config.auxiliary:
+                aux_averager = GradientAverager(
+                    [], dht=self.dht, prefix=grad_prefix(config.run_id), auxiliary=True, **common
+                )
+                self._started.append(aux_averager)
+                self._aux = AuxiliaryPeer(
+                    averager=aux_averager,
+                    tracker=self.tracker,
+                    matchmaking_time=config.matchmaking_time,
+                    averaging_timeout=config.averaging_timeout,
+                    status_loglevel=self.status_loglevel,
+                )
+            elif config.averages_gradients:
+                factory = grad_averager_factory or GradientAverager
+                self.grad_averager = factory(
+                    self.state_manager.main_params,
+                    dht=self.dht,
+                    prefix=grad_prefix(config.run_id),
+                    reuse_grad_buffers=config.reuse_grad_buffers,
+                    compression=grad_compression,
+                    **common,
+                )
+                if not isinstance(self.grad_averager, GradientAverager):
+                    raise ConfigurationError("grad_averager_factory must return a hivemind_ext GradientAverager")
+                self._started.append(self.grad_averager)
+        except TypeError as e:
+            raise ConfigurationError(f"averager_opts: {e}") from e
+
+    # ----- what torch.optim.Optimizer users read
+
+    @property
+    def param_groups(self) -> list:  # type: ignore[override]
+        groups = self.state_manager.optimizer.param_groups
+        if [id(g) for g in groups] != self._param_group_ids:  # load_state_dict replaces the group dicts
+            self._param_groups = group_views(self.state_manager.optimizer, self.state_manager.main_params)
+            self._param_group_ids = [id(g) for g in groups]
+        return self._param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        raise TypeError("hivemind_ext.Optimizer's param groups are fixed at construction")
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.state_manager.optimizer.state
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer (it steps host copies of the parameters with offload_optimizer)."""
+        return self.state_manager.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self.state_manager.scheduler
+
+    @property
+    def local_epoch(self) -> int:
+        """This peer's epoch, kept in line with the swarm's (downloads the state when it falls behind)."""
+        return self.state_manager.epoch
+
+    @property
+    def use_local_updates(self) -> bool:
+        return self.config.use_local_updates
+
+    @property
+    def reuse_grad_buffers(self) -> bool:
+        return self.config.reuse_grad_buffers
+
+    @property
+    def client_mode(self) -> bool:
+        return self.config.client_mode
+
+    @property
+    def auxiliary(self) -> bool:
+        return self.config.auxiliary
+
+    @property
+    def target_batch_size(self) -> int:
+        return self.config.target_batch_size
+
+    @property
+    def batch_size_per_step(self) -> int | None:
+        return self.config.batch_size_per_step
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ConfigurationError("hivemind_ext.Optimizer cannot add param groups after construction")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Resets the model's gradients; with reuse_grad_buffers the Optimizer does that itself."""
+        if self.config.reuse_grad_buffers:
+            raise ConfigurationError(
+                "with reuse_grad_buffers=True the Optimizer zeroes .grad after each epoch: do not call zero_grad"
+            )
+        for param in self.state_manager.main_params:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_().zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._state_lock:
+            state_dict = self.state_manager.optimizer.state_dict()
+        state_dict["local_epoch"] = self.local_epoch
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        epoch = state_dict.pop("local_epoch", None)
+        with self._state_lock:
+            self.state_manager.optimizer.load_state_dict(state_dict)
+            if epoch is not None:
+                self.state_manager.set_epoch(int(epoch))
+        if epoch is not None:
+            self.tracker.update_epoch(int(epoch))
+
+    def __repr__(self) -> str:
+        return f"hivemind_ext.Optimizer(run_id={self.run_id!r}, epoch={self.local_epoch}, opt={self.opt!r})"
+
+    # ----- the training step
+
+    def step(
+        self,
+        closure: Callable[[], torch.Tensor] | None = None,
+        batch_size: int | None = None,
+        grad_scaler: GradScaler | None = None,
+    ) -> torch.Tensor | None:
+        """Reports ``batch_size`` more samples and does whatever the swarm's progress calls for (see
+        the module docstring). Returns the closure's loss, if a closure was given."""
+        if self._closed:
+            raise HivemindExtError("the optimizer is shut down")
+        if self._aux is not None:
+            if closure is not None or batch_size is not None or grad_scaler is not None:
+                raise ConfigurationError("auxiliary peers do not train: call step() without arguments")
+            self._aux.step()
+            self.state_manager.epoch = self._aux.local_epoch
+            return None
+        if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
+            raise ConfigurationError("pass a hivemind_ext.GradScaler (or call scaler.step(opt) with torch's)")
+        batch_size = batch_size if batch_size is not None else self.config.batch_size_per_step
+        if batch_size is None:
+            raise ConfigurationError("pass batch_size to step() or batch_size_per_step to the Optimizer")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigurationError(f"batch_size must be a positive integer, got {batch_size!r}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        self._collect_background_work(wait=False)
+        if self._should_catch_up():
+            self.load_state_from_peers()
+            self._discard_local_gradients()
+            return loss
+        if self.config.use_local_updates:
+            if not self._local_update(batch_size, grad_scaler):
+                return loss
+            samples = self.tracker.local_progress.samples_accumulated + batch_size
+        else:
+            if not self._accumulate(batch_size, grad_scaler):
+                return loss
+            assert self.grad_averager is not None
+            samples = self.grad_averager.local_samples_accumulated
+        self.tracker.report_local_progress(self.local_epoch, samples)
+        if self._epoch_is_over():
+            self._end_epoch(grad_scaler)
+        else:
+            self._maybe_schedule_round()
+        return loss
+
+    def _accumulate(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
+        assert self.grad_averager is not None
+        if grad_scaler is not None:
+            if self.config.reuse_grad_buffers:
+                grad_scaler.defer()  # .grad holds a sum of scaled gradients until the epoch ends
+                self.grad_averager.accumulator.accumulate(batch_size, check_finite=False)
+                return True
+            if grad_scaler.unscale_and_check(self):
+                logger.log(self.status_loglevel, "gradients overflowed: skipping this batch (the scale is lowered)")
+                return False
+        self.grad_averager.accumulate_grads_(batch_size)
+        return True
+
+    def _local_update(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
+        if grad_scaler is not None and grad_scaler.unscale_and_check(self):
+            logger.log(self.status_loglevel, "gradients overflowed: skipping this batch (the scale is lowered)")
+            return False
+        grads = [p.grad for p in self.state_manager.main_params]
+        with self._state_lock:
+            self.state_manager.apply_gradients(grads)
+            self.state_manager.copy_to_model()
+        return True
+
+    def _epoch_is_over(self) -> bool:
+        if self.tracker.ready_to_update_epoch:
+            return True
+        control = self._scheduled_grads
+        return control is not None and control.groupmate_started
+
+    def _maybe_schedule_round(self) -> None:
+        """Starts matchmaking for the coming gradient round when the swarm's epoch end is near."""
+        if self.grad_averager is None:
+            return
+        control = self._scheduled_grads
+        if control is not None and not control.done():
+            return
+        now = get_dht_time()
+        eta = self.tracker.estimated_next_update_time
+        if eta - now > self.config.matchmaking_time:
+            return
+        scheduled = max(eta, now + 0.05)
+        logger.log(self.status_loglevel, f"pre-scheduling the gradient round in {scheduled - now:.2f} s")
+        self._scheduled_grads = self.grad_averager.schedule_step(
+            scheduled_time=scheduled, timeout=self.config.averaging_timeout + (scheduled - now)
+        )
+
+    # ----- the end of an epoch
+
+    def _end_epoch(self, grad_scaler: GradScaler | None) -> None:
+        started = time.perf_counter()
+        config = self.config
+        with self.tracker.pause_updates():
+            if self.grad_averager is not None:
+                self._wait_background()  # the buffers and the optimizer must be free
+                control, self._scheduled_grads = self._scheduled_grads, None
+                if control is not None and control.done() and not control.triggered:
+                    control = None  # matchmaking failed or expired before the epoch ended
+                found_inf = (
+                    grad_scaler is not None and config.reuse_grad_buffers and grad_scaler.unscale_and_check(self)
+                )
+                if found_inf:
+                    logger.log(self.status_loglevel, "this epoch's gradients overflowed: contributing nothing")
+                    self.grad_averager.reset_accumulated_grads_()
+                if config.delay_grad_averaging:
+                    control = self._begin_gradient_round(control, zero_weight=found_inf)
+                    self._background.submit(lambda: self._finish_gradient_round(control, apply=not found_inf))
+                else:
+                    control = self._begin_gradient_round(control, zero_weight=found_inf)
+                    averaged = self._wait_gradient_round(control)
+                    if config.delay_optimizer_step:
+                        self._background.submit(lambda: self._apply_averaged_gradients(publish=False))
+                    elif averaged or not found_inf:
+                        self._apply_averaged_gradients(publish=True)
+            next_epoch = max(self.local_epoch + 1, self.tracker.global_progress.epoch)
+            with self._state_lock:
+                self.state_manager.set_epoch(next_epoch)
+            self._maybe_average_state(next_epoch)
+            self.tracker.update_epoch(next_epoch)
+            self.state_averager.state_sharing_priority = next_epoch
+        self.blocked_seconds += time.perf_counter() - started
+
+    def _begin_gradient_round(self, control: StepControl | None, *, zero_weight: bool) -> StepControl:
+        assert self.grad_averager is not None
+        samples = self.grad_averager.local_samples_accumulated
+        if control is None:
+            control = self.grad_averager.schedule_step(
+                scheduled_time=get_dht_time() + self.config.matchmaking_time, timeout=self.config.averaging_timeout
+            )
+        with contextlib.suppress(RuntimeError):  # too late to change the weight: the round has begun
+            control.weight = 0.0 if zero_weight else float(samples)
+        self.grad_averager.step(control=control, weight=0.0 if zero_weight else float(samples), wait=False)
+        return control
+
+    def _wait_gradient_round(self, control: StepControl) -> bool:
+        try:
+            gathered = control.result(max(control.deadline - get_dht_time(), 0.0) + 1.0)
+        except ROUND_FAILURES as e:
+            logger.warning(f"averaging gradients failed ({e}): proceeding with local gradients")
+            self._resync = self.tracker.global_progress.num_peers > 1
+            return False
+        except (TimeoutError, HivemindExtError) as e:
+            control.cancel()
+            logger.warning(f"averaging gradients did not finish ({e!r}): proceeding with local gradients")
+            self._resync = self.tracker.global_progress.num_peers > 1
+            return False
+        report = self.grad_averager.last_round if self.grad_averager is not None else None
+        peers = report.group_size if report is not None else len(gathered or {})
+        self.last_epoch_samples = sum(int(v) for v in (gathered or {}).values() if isinstance(v, int | float))
+        logger.log(self.status_loglevel, f"averaged gradients with {peers} peers")
+        return True
+
+    def _finish_gradient_round(self, control: StepControl, *, apply: bool) -> None:
+        """Background job (delay_grad_averaging): wait for the round, then step on its result."""
+        self._wait_gradient_round(control)
+        if apply:
+            self._apply_averaged_gradients(publish=False)
+
+    def _apply_averaged_gradients(self, *, publish: bool) -> None:
+        assert self.grad_averager is not None
+        with self._state_lock, self.grad_averager.use_averaged_gradients() as grads:
+            self.state_manager.apply_gradients(list(grads))
+            if publish:
+                self.state_manager.copy_to_model()
+
+    def _maybe_average_state(self, epoch: int) -> None:
+        config = self.config
+        if config.auxiliary or self.tracker.global_progress.num_peers < 2 or epoch % config.average_state_every:
+            return
+        if self.state_averager.round_in_progress:
+            return
+        self.state_averager.begin_round(
+            timeout=config.averaging_timeout + config.matchmaking_time,
+            scheduled_time=get_dht_time() + config.matchmaking_time,
+        )
+        if not config.delay_state_averaging:
+            self.state_averager.apply_round(wait=config.averaging_timeout + 1.0)
+
+    def _collect_background_work(self, wait: bool) -> None:
+        """Publishes a finished delayed step and applies a finished state round."""
+        if self._background.pending and (wait or not self._background.busy):
+            self._wait_background()
+        self.state_averager.apply_round(wait=self.config.averaging_timeout + 1.0 if wait else 0.0)
+
+    def _wait_background(self) -> None:
+        if not self._background.pending:
+            return
+        started = time.perf_counter()
+        try:
+            self._background.wait(self.config.averaging_timeout + self.config.shutdown_timeout)
+        except DeadlineExceededError as e:
+            logger.warning(f"{e}: the step will be applied when it finishes")
+            return
+        except HivemindExtError as e:
+            logger.warning(f"a background step failed: {e}")
+        finally:
+            self.blocked_seconds += time.perf_counter() - started
+        with self._state_lock:
+            self.state_manager.copy_to_model()
+
+    # ----- catching up with the swarm
+
+    def _should_catch_up(self) -> bool:
+        global_epoch = self.tracker.global_progress.epoch
+        first, self._first_step = self._first_step, False
+        if self._resync:
+            return True
+        return self.local_epoch < global_epoch - 1 or (first and self.local_epoch < global_epoch)
+
+    def _discard_local_gradients(self) -> None:
+        if self.grad_averager is not None:
+            self.grad_averager.reset_accumulated_grads_()
+        self.tracker.report_local_progress(self.local_epoch, 0)
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        """Downloads the newest parameters, optimizer state and epoch from peers and applies them."""
+        started = time.perf_counter()
+        self._resync = False
+        self._wait_background()
+        self.state_averager.cancel_round()
+        if self._scheduled_grads is not None and not self._scheduled_grads.done():
+            self._scheduled_grads.cancel()
+        self._scheduled_grads = None
+        timeout = kwargs.pop("timeout", self.config.load_state_timeout)
+        try:
+            loaded = self.state_averager.load_state_from_peers(timeout=timeout, **kwargs)
+            if loaded is None:
+                logger.log(self.status_loglevel, "no peer shares its state yet: keeping the local state")
+                return
+            metadata, tensors = loaded
+            with self._state_lock:
+                self.state_manager.load(metadata, tensors)
+        except StateLoadError as e:
+            logger.warning(f"could not load the state from peers: {e}; keeping the local state")
+            return
+        finally:
+            self.blocked_seconds += time.perf_counter() - started
+        logger.log(self.status_loglevel, f"loaded the state of epoch {self.local_epoch} from peers")
+        self.tracker.update_epoch(self.local_epoch)
+        self.state_averager.state_sharing_priority = self.local_epoch
+
+    # ----- shutting down
+
+    def shutdown(self) -> None:
+        """Stops background work and leaves the swarm; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        background = getattr(self, "_background", None)
+        if background is not None:
+            background.shutdown(self.config.shutdown_timeout)
+        control = getattr(self, "_scheduled_grads", None)
+        if control is not None and not control.done():
+            control.cancel()
+        aux = getattr(self, "_aux", None)
+        if aux is not None:
+            aux.shutdown()
+        if getattr(self, "state_averager", None) is not None:
+            self.state_averager.cancel_round()
+        for component in reversed(getattr(self, "_started", [])):
+            try:
+                component.shutdown()
+            except Exception as e:
+                logger.debug(f"error while shutting down {type(component).__name__}: {e!r}")
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()

@@ -1,0 +1,102 @@
+"""TrainingStateAverager: average a trainer's parameters (and chosen optimizer statistics) with peers,
+and serve the whole training state to newcomers.
+
+Rounds work on copies: ``begin_round()`` copies the current values into the averager's buffers and
+keeps that snapshot; when the round is done, ``apply_round()`` adds ``average - snapshot`` to the live
+tensors. So the optimizer (or the training loop, with local updates) keeps stepping while the round
+runs in the background, and the progress it made meanwhile is kept: ``x += mean(snapshot) - snapshot``.
+Every read and write of the live tensors holds ``state_lock``, which the Optimizer also holds while
+it steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import Any
+
+import torch
+from hivemind import DHT
+
+from hivemind_ext.averaging.averager import DecentralizedAverager
+from hivemind_ext.averaging.control import StepControl
+from hivemind_ext.errors import HivemindExtError
+from hivemind_ext.optim.training_state import TrainingState
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingStateAverager(DecentralizedAverager):
+    def __init__(
+        self, training_state: TrainingState, *, dht: DHT, prefix: str, state_lock: threading.RLock, **kwargs: Any
+    ) -> None:
+        self.training_state = training_state
+        self.state_lock = state_lock
+        with state_lock:
+            training_state.ensure_statistics()
+            live = training_state.averaged_tensors()
+        self._snapshot: list[torch.Tensor] | None = None
+        self._round: StepControl | None = None
+        buffers = [] if kwargs.get("auxiliary") else [t.detach().float().clone() for t in live]
+        super().__init__(buffers, dht, **kwargs, prefix=prefix)
+
+    def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
+        """What newcomers download: the whole training state (see TrainingState.snapshot)."""
+        with self.state_lock:
+            return self.training_state.snapshot()
+
+    @property
+    def round_in_progress(self) -> bool:
+        return self._round is not None and not self._round.done()
+
+    def begin_round(
+        self, *, timeout: float, scheduled_time: float | None = None, control: StepControl | None = None
+    ) -> StepControl:
+        """Snapshots the live tensors into the buffers and starts a round in the background."""
+        if self.round_in_progress:
+            raise HivemindExtError("a state averaging round is already running")
+        with self.state_lock, self.get_tensors() as buffers:
+            live = self.training_state.averaged_tensors()
+            snapshot = [t.detach().float().clone() for t in live]
+            torch._foreach_copy_(list(buffers), snapshot)
+            self._snapshot = snapshot
+        if control is None:
+            control = self.step(wait=False, timeout=timeout, scheduled_time=scheduled_time, require_trigger=True)
+            assert isinstance(control, StepControl)
+        control.allow_allreduce()
+        self._round = control
+        return control
+
+    def apply_round(self, wait: float | None = 0.0) -> bool | None:
+        """Applies a finished round: None if none is pending or it is still running after ``wait``
+        seconds, else whether it succeeded (a failed round changes nothing)."""
+        control = self._round
+        if control is None:
+            return None
+        try:
+            control.result(wait)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            return None
+        except concurrent.futures.CancelledError:
+            self._round, self._snapshot = None, None
+            return False
+        except HivemindExtError as e:
+            logger.info(f"state averaging failed ({e}); keeping the local state")
+            self._round, self._snapshot = None, None
+            return False
+        self._round = None
+        with self.state_lock, self.get_tensors() as buffers:
+            live = self.training_state.averaged_tensors()
+            assert self._snapshot is not None
+            with torch.no_grad():
+                for target, average, before in zip(live, buffers, self._snapshot, strict=True):
+                    target.add_((average - before).to(target.dtype))
+            self._snapshot = None
+            self.training_state.copy_to_model()
+        return True
+
+    def cancel_round(self) -> None:
+        if self._round is not None and not self._round.done():
+            self._round.cancel()
+        self._round, self._snapshot = None, None
