@@ -39,6 +39,8 @@ from hivemind_ext.errors import (
     MatchmakingError,
     StateLoadError,
 )
+from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, GradientAllReduce, next_model_key
+from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
 from hivemind_ext.optim.auxiliary import AuxiliaryPeer
 from hivemind_ext.optim.background import BackgroundWorker
 from hivemind_ext.optim.config import OptimizerConfig
@@ -64,6 +66,17 @@ def state_prefix(run_id: str) -> str:
 
 def progress_prefix(run_id: str) -> str:
     return run_id  # the tracker stores under f"{run_id}_progress", as hivemind's does
+
+
+def gathered_samples(gathered: Any) -> dict[str, int]:
+    """Samples per member from a gradient round's gathered data ({"samples": n} from each member);
+    gather data is untrusted wire input: anything else (e.g. an auxiliary peer's None) counts as 0."""
+    samples = {}
+    for peer, data in (gathered or {}).items():
+        value = data.get("samples") if isinstance(data, dict) else None
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
+        samples[str(peer)] = value if ok else 0
+    return samples
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -109,6 +122,7 @@ class Optimizer(torch.optim.Optimizer):
         performance_ema_alpha: float = 0.1,
         shutdown_timeout: float = 5,
         verbose: bool = False,
+        algorithm: Algorithm | None = None,
     ) -> None:
         if not isinstance(dht, DHT):
             raise ConfigurationError(f"dht must be a running hivemind.DHT, got {type(dht).__name__}")
@@ -142,6 +156,14 @@ class Optimizer(torch.optim.Optimizer):
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
         self._closed = False
         self._state_lock = threading.RLock()
+        self.state_lock = self._state_lock  # held while the optimizer's parameters or state change
+        if algorithm is not None and not isinstance(algorithm, Algorithm):
+            raise ConfigurationError(f"algorithm must be a hivemind_ext Algorithm, got {type(algorithm).__name__}")
+        self.algorithm = algorithm
+        self.grad_compression = grad_compression
+        self.averager_opts = dict(averager_opts or {})
+        self._runner: AlgorithmRunner | None = None
+        self._epoch_samples = 0  # samples this peer processed in its current epoch (algorithm path)
         self.state_manager = TrainingState(
             optimizer=optimizer,
             params=params,
@@ -174,11 +196,20 @@ class Optimizer(torch.optim.Optimizer):
         except BaseException:
             self.shutdown()
             raise
+        if self._custom_algorithm:
+            assert algorithm is not None
+            try:
+                impl = algorithm.reify(AlgorithmContext(self, next_model_key(algorithm, dht)))
+                self._runner = AlgorithmRunner(impl) if not impl.uses_standard_path else None
+            except BaseException:
+                self.shutdown()
+                raise
         self._background = BackgroundWorker(f"{run_id}-optimizer")
         self._scheduled_grads: StepControl | None = None
         self._resync = False  # the last gradient round failed: download the state at the next step
         self._first_step = True
         self.last_epoch_samples = 0  # samples averaged in this peer's last epoch (its group's total)
+        self.last_round_samples: dict[str, int] = {}  # the same, per group member (base58 peer id)
         self.blocked_seconds = 0.0  # time step() spent waiting for the swarm (averaging, downloads)
 
     # ----- construction
@@ -242,7 +273,7 @@ class Optimizer(torch.optim.Optimizer):
                     averaging_timeout=config.averaging_timeout,
                     status_loglevel=self.status_loglevel,
                 )
-            elif config.averages_gradients:
+            elif config.averages_gradients and not self._custom_algorithm:
                 factory = grad_averager_factory or GradientAverager
                 self.grad_averager = factory(
                     self.state_manager.main_params,
@@ -385,6 +416,9 @@ class Optimizer(torch.optim.Optimizer):
             self.load_state_from_peers()
             self._discard_local_gradients()
             return loss
+        if self._runner is not None:
+            self._algorithm_step(batch_size)
+            return loss
         if self.config.use_local_updates:
             if not self._local_update(batch_size, grad_scaler):
                 return loss
@@ -464,7 +498,9 @@ class Optimizer(torch.optim.Optimizer):
                 if found_inf:
                     logger.log(self.status_loglevel, "this epoch's gradients overflowed: contributing nothing")
                     self.grad_averager.reset_accumulated_grads_()
-                if config.delay_grad_averaging:
+                if self._alone(control):
+                    self._step_alone(control, found_inf=found_inf)
+                elif config.delay_grad_averaging:
                     control = self._begin_gradient_round(control, zero_weight=found_inf)
                     self._background.submit(lambda: self._finish_gradient_round(control, apply=not found_inf))
                 else:
@@ -482,6 +518,30 @@ class Optimizer(torch.optim.Optimizer):
             self.state_averager.state_sharing_priority = next_epoch
         self.blocked_seconds += time.perf_counter() - started
 
+    def _alone(self, control: StepControl | None) -> bool:
+        """No other peer reports progress and none started this round: a round could only time out."""
+        groupmate = control is not None and control.groupmate_started
+        return self.tracker.global_progress.num_peers <= 1 and not groupmate
+
+    def _step_alone(self, control: StepControl | None, *, found_inf: bool) -> None:
+        """A solo peer steps on its own mean gradient at once, as hivemind does, instead of waiting
+        ``averaging_timeout`` for a group that cannot form."""
+        assert self.grad_averager is not None
+        if control is not None and not control.done():
+            control.cancel()
+        samples = 0 if found_inf else self.grad_averager.local_samples_accumulated
+        logger.log(self.status_loglevel, "no other peers: stepping with local gradients")
+        self.grad_averager.load_accumulators_into_averager_()
+        self.grad_averager.reset_accumulated_grads_()
+        self.last_round_samples = {str(self.dht.peer_id): samples}
+        self.last_epoch_samples = samples
+        if found_inf:
+            return
+        if self.config.delay_optimizer_step:
+            self._background.submit(lambda: self._apply_averaged_gradients(publish=False))
+        else:
+            self._apply_averaged_gradients(publish=True)
+
     def _begin_gradient_round(self, control: StepControl | None, *, zero_weight: bool) -> StepControl:
         assert self.grad_averager is not None
         samples = self.grad_averager.local_samples_accumulated
@@ -491,6 +551,9 @@ class Optimizer(torch.optim.Optimizer):
             )
         with contextlib.suppress(RuntimeError):  # too late to change the weight: the round has begun
             control.weight = 0.0 if zero_weight else float(samples)
+        # groupmates learn how many samples each member averaged (read back in _wait_gradient_round);
+        # the round packs control.gather only when it starts, after the trigger below
+        control.gather = {"samples": 0 if zero_weight else int(samples)}
         self.grad_averager.step(control=control, weight=0.0 if zero_weight else float(samples), wait=False)
         return control
 
@@ -508,7 +571,8 @@ class Optimizer(torch.optim.Optimizer):
             return False
         report = self.grad_averager.last_round if self.grad_averager is not None else None
         peers = report.group_size if report is not None else len(gathered or {})
-        self.last_epoch_samples = sum(int(v) for v in (gathered or {}).values() if isinstance(v, int | float))
+        self.last_round_samples = gathered_samples(gathered)
+        self.last_epoch_samples = sum(self.last_round_samples.values())
         logger.log(self.status_loglevel, f"averaged gradients with {peers} peers")
         return True
 
@@ -524,6 +588,31 @@ class Optimizer(torch.optim.Optimizer):
             self.state_manager.apply_gradients(list(grads))
             if publish:
                 self.state_manager.copy_to_model()
+
+    # ----- pluggable algorithms
+
+    @property
+    def _custom_algorithm(self) -> bool:
+        return self.algorithm is not None and not isinstance(self.algorithm, GradientAllReduce)
+
+    def swarm_epoch_is_over(self) -> bool:
+        """Whether the swarm has accumulated ``target_batch_size`` samples in this peer's epoch."""
+        return self.tracker.ready_to_update_epoch
+
+    def _algorithm_step(self, batch_size: int) -> None:
+        assert self._runner is not None
+        self._epoch_samples += batch_size
+        self.tracker.report_local_progress(self.local_epoch, self._epoch_samples)
+        started = time.perf_counter()
+        if self._runner.step(batch_size):
+            self.blocked_seconds += time.perf_counter() - started
+        if self.tracker.ready_to_update_epoch:
+            next_epoch = max(self.local_epoch + 1, self.tracker.global_progress.epoch)
+            with self._state_lock:
+                self.state_manager.set_epoch(next_epoch)
+            self._epoch_samples = 0
+            self.tracker.update_epoch(next_epoch)
+            self.state_averager.state_sharing_priority = next_epoch
 
     def _maybe_average_state(self, epoch: int) -> None:
         config = self.config
@@ -614,6 +703,9 @@ class Optimizer(torch.optim.Optimizer):
         control = getattr(self, "_scheduled_grads", None)
         if control is not None and not control.done():
             control.cancel()
+        runner = getattr(self, "_runner", None)
+        if runner is not None:
+            runner.shutdown()
         aux = getattr(self, "_aux", None)
         if aux is not None:
             aux.shutdown()

@@ -1,0 +1,288 @@
+"""The Algorithm API: what is communicated, when, with whom, and how the model is updated.
+
+Two classes, as in Bagua:
+
+- an :class:`Algorithm` holds hyperparameters only. ``Optimizer(..., algorithm=alg)`` calls
+  ``alg.reify(context)`` to get an implementation bound to that optimizer and swarm, so one
+  ``Algorithm`` object can serve several models (each gets its own implementation and DHT keys);
+- an :class:`AlgorithmImpl` does the work through hooks, which the Optimizer calls at every
+  ``step()`` (see :class:`~hivemind_ext.optim.algorithms.runner.AlgorithmRunner`)::
+
+      impl.on_backward(batch_size)          # after backward: accumulate, or take a local step, ...
+      if impl.need_reset():                 # a new stage (e.g. QAdam after warm-up)
+          impl.reset(); re-run init_tensors / tensors_to_buckets / init_operations
+      if impl.should_communicate():         # when: default, when the swarm reached target_batch_size
+          run every bucket's operations     # what and how: average with a codec, Python steps, exchanges
+          impl.optimizer_step()             # how the model is updated
+          impl.on_optimizer_step()          # after the update (clear accumulators, ...)
+
+  Which tensors are communicated is ``init_tensors()``; ``tensors_to_buckets()`` groups them into
+  :class:`Bucket` s (fused float32 buffers); ``init_operations(bucket)`` appends the bucket's
+  operations. Operations run position by position across buckets, and all ``average`` operations at
+  one position form ONE all-reduce round (one matchmaking), each bucket with its own codec.
+
+The swarm-wide epoch (``target_batch_size`` samples) still drives the LR scheduler and state
+downloads for late joiners, whatever the algorithm.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hivemind_ext.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
+    from hivemind_ext.optim.optimizer import Optimizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 16 << 20
+
+NamedTensor = tuple[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class AlgorithmContext:
+    """What an implementation is bound to: one Optimizer (one model) in one swarm.
+
+    :param optimizer: the hivemind_ext.Optimizer that runs the algorithm
+    :param key: distinguishes models that share one Algorithm object (part of every DHT prefix)
+    """
+
+    optimizer: Optimizer
+    key: str
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The model's parameters, in param-group order."""
+        return self.optimizer.state_manager.main_params
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer (its param groups hold the model's parameters, no offload)."""
+        return self.optimizer.state_manager.optimizer
+
+    @property
+    def dht(self) -> Any:
+        return self.optimizer.dht
+
+    @property
+    def tracker(self) -> Any:
+        return self.optimizer.tracker
+
+    @property
+    def config(self) -> Any:
+        return self.optimizer.config
+
+    def prefix(self, suffix: str) -> str:
+        """A DHT prefix for this model's traffic: peers of the same run and model key meet under it."""
+        return f"{self.optimizer.run_id}_{self.key}_{suffix}"
+
+
+class Operation(abc.ABC):
+    """One step of a bucket's pipeline."""
+
+    @abc.abstractmethod
+    def run(self, buckets: Sequence[Bucket], runner: AlgorithmRunner) -> None:
+        """Runs on ``buckets`` (every bucket that has this kind of operation at this position)."""
+
+
+@dataclasses.dataclass
+class AverageOp(Operation):
+    """Average the bucket with the swarm (weighted mean), compressed with ``codec``.
+
+    :param codec: a codec from hivemind_ext.compression (or hivemind's); None = no compression
+    :param weight: returns this peer's weight at the time of the round (default 1)
+    """
+
+    codec: Any = None
+    weight: Callable[[], float] | None = None
+
+    def run(self, buckets: Sequence[Bucket], runner: AlgorithmRunner) -> None:
+        runner.average(buckets)
+
+
+@dataclasses.dataclass
+class PythonOp(Operation):
+    """Run ``fn(bucket)`` (a local computation, e.g. update a momentum before it is averaged)."""
+
+    fn: Callable[[Bucket], None]
+
+    def run(self, buckets: Sequence[Bucket], runner: AlgorithmRunner) -> None:
+        for bucket in buckets:
+            self.fn(bucket)
+
+
+class Bucket:
+    """Tensors communicated together, fused into one float32 buffer (``flat``).
+
+    ``pack()`` copies the tensors into ``flat``; ``unpack()`` copies ``flat`` back into them.
+    Average operations pack before and unpack after the round; Python operations see the tensors.
+    """
+
+    def __init__(self, name: str, named_tensors: Sequence[NamedTensor]) -> None:
+        if not named_tensors:
+            raise ConfigurationError(f"bucket {name!r} is empty")
+        self.name = name
+        self.names = [n for n, _ in named_tensors]
+        self.tensors = [t for _, t in named_tensors]
+        for tensor_name, tensor in named_tensors:
+            if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+                raise ConfigurationError(f"bucket {name!r}: {tensor_name} is not a floating-point tensor")
+        device = self.tensors[0].device
+        self.flat = torch.zeros(sum(t.numel() for t in self.tensors), dtype=torch.float32, device=device)
+        self.ops: list[Operation] = []
+
+    def pack(self) -> None:
+        offset = 0
+        for tensor in self.tensors:
+            self.flat[offset : offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
+            offset += tensor.numel()
+
+    def unpack(self) -> None:
+        offset = 0
+        with torch.no_grad():
+            for tensor in self.tensors:
+                tensor.copy_(self.flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+    def append_average(self, codec: Any = None, *, weight: Callable[[], float] | None = None) -> Bucket:
+        self.ops.append(AverageOp(codec=codec, weight=weight))
+        return self
+
+    def append_python(self, fn: Callable[[Bucket], None]) -> Bucket:
+        self.ops.append(PythonOp(fn))
+        return self
+
+    def append_op(self, op: Operation) -> Bucket:
+        if not isinstance(op, Operation):
+            raise ConfigurationError(f"expected an Operation, got {type(op).__name__}")
+        self.ops.append(op)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.name!r}, {len(self.tensors)} tensors, {self.flat.numel()} values, {len(self.ops)} ops)"
+
+
+class AlgorithmImpl:
+    """An algorithm bound to one optimizer. The defaults implement synchronous gradient averaging
+    through the generic machinery: accumulate sample-weighted gradients, average them when the
+    swarm reaches ``target_batch_size`` (weighted by samples), step the wrapped optimizer."""
+
+    #: True only for the built-in default, which runs the Optimizer's own code path unchanged
+    uses_standard_path = False
+    #: bytes per bucket in the default ``tensors_to_buckets``
+    bucket_bytes = DEFAULT_BUCKET_BYTES
+
+    def __init__(self, context: AlgorithmContext) -> None:
+        self.context = context
+        self.samples = 0  # samples accumulated since the last communication
+        params = context.params
+        self.grad_sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]  # sum of batch_size * grad
+        self.mean_grads = [torch.zeros_like(p, dtype=torch.float32) for p in params]  # what is averaged
+        self._sum_of = {id(mean): total for mean, total in zip(self.mean_grads, self.grad_sums, strict=True)}
+
+    # ----- what and how
+
+    def init_tensors(self) -> list[NamedTensor]:
+        """The tensors to communicate in the current stage (default: the mean gradients)."""
+        return [(f"grad{i}", t) for i, t in enumerate(self.mean_grads)]
+
+    def tensors_to_buckets(self, tensors: Sequence[NamedTensor]) -> list[list[NamedTensor]]:
+        """Groups tensors into buckets (default: in order, about ``bucket_bytes`` each)."""
+        buckets: list[list[NamedTensor]] = [[]]
+        size = 0
+        for name, tensor in tensors:
+            nbytes = tensor.numel() * 4
+            if buckets[-1] and size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, tensor))
+            size += nbytes
+        return [b for b in buckets if b]
+
+    def init_operations(self, bucket: Bucket) -> None:
+        """Appends the bucket's operations (default: compute the local mean gradient, then average it
+        with the swarm weighted by samples, with the Optimizer's ``grad_compression``)."""
+        bucket.append_python(self.load_mean_gradients)
+        bucket.append_average(self.context.optimizer.grad_compression, weight=lambda: float(self.samples))
+
+    # ----- when, and the callbacks
+
+    def on_backward(self, batch_size: int) -> None:
+        """Called by ``step()`` after the user's backward (default: accumulate the gradients)."""
+        for param, total in zip(self.context.params, self.grad_sums, strict=True):
+            if param.grad is not None:
+                total.add_(param.grad.detach().float(), alpha=float(batch_size))
+        self.samples += batch_size
+
+    def should_communicate(self) -> bool:
+        """Whether to run the operations now (default: the swarm reached ``target_batch_size``)."""
+        return self.context.optimizer.swarm_epoch_is_over()
+
+    def optimizer_step(self) -> None:
+        """Updates the model (default: the wrapped optimizer steps on the averaged mean gradients)."""
+        self.context.optimizer.state_manager.apply_gradients(self.mean_grads)
+
+    def on_optimizer_step(self) -> None:
+        """Called after ``optimizer_step`` (default: start a new accumulation)."""
+        torch._foreach_zero_(self.grad_sums)
+        self.samples = 0
+
+    def need_reset(self) -> bool:
+        """True when the algorithm enters a new stage; the runner then calls ``reset()`` and rebuilds
+        the tensors, buckets and operations."""
+        return False
+
+    def reset(self) -> None:
+        """Prepares the new stage."""
+
+    def shutdown(self) -> None:
+        """Stops what the implementation started (threads, services)."""
+
+    # ----- helpers for subclasses
+
+    def load_mean_gradients(self, bucket: Bucket) -> None:
+        """A Python operation: the bucket's mean-gradient buffers = accumulated sums / samples."""
+        divisor = float(max(self.samples, 1))
+        for tensor in bucket.tensors:
+            torch.div(self._sum_of[id(tensor)], divisor, out=tensor)
+
+
+class Algorithm(abc.ABC):
+    """Hyperparameters of an algorithm; ``reify`` binds them to one optimizer and swarm."""
+
+    @abc.abstractmethod
+    def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
+        """Returns a new implementation bound to ``context`` (called once per model)."""
+
+
+_model_counts: dict[tuple[int, int], int] = {}
+_model_counts_lock = threading.Lock()
+
+
+def next_model_key(algorithm: Algorithm, dht: Any) -> str:
+    """A key per model that one Algorithm object serves on one DHT: its class name and the order in
+    which the models were bound (peers must create their optimizers in the same order to meet)."""
+    with _model_counts_lock:
+        index = _model_counts.get((id(algorithm), id(dht)), 0)
+        _model_counts[(id(algorithm), id(dht))] = index + 1
+    return f"{type(algorithm).__name__.lower()}{index}"
+
+
+class GradientAllReduce(Algorithm):
+    """The default: the Optimizer's standard behaviour (synchronous gradient averaging to
+    ``target_batch_size``, or local updates with parameter averaging if so configured), unchanged."""
+
+    def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
+        impl = AlgorithmImpl(context)
+        impl.uses_standard_path = True
+        return impl

@@ -1,0 +1,155 @@
+"""AlgorithmRunner: drives an AlgorithmImpl's hooks from ``Optimizer.step()`` and runs its bucket
+operations (see :mod:`.base` for the order of the hooks).
+
+Average operations at one position of the buckets' pipelines form one all-reduce round: the runner
+keeps one :class:`~hivemind_ext.averaging.DecentralizedAverager` per (stage, position) over those
+buckets' fused buffers, each bucket compressed with its own codec (PerTensorCompression keyed by
+bucket name). A round that fails leaves the buckets' local values in place (logged): the model is
+then updated from local values, as the Optimizer does with local gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from hivemind.utils import get_dht_time
+
+from hivemind_ext.averaging.averager import DecentralizedAverager
+from hivemind_ext.compression import CompressionInfo, NoCompression, PerTensorCompression
+from hivemind_ext.compression.resolve import as_codec
+from hivemind_ext.errors import AllreduceError, ConfigurationError, DeadlineExceededError, MatchmakingError
+from hivemind_ext.optim.algorithms.base import AlgorithmImpl, AverageOp, Bucket
+
+logger = logging.getLogger(__name__)
+
+
+class AlgorithmRunner:
+    def __init__(self, impl: AlgorithmImpl) -> None:
+        self.impl = impl
+        self.stage = 0
+        self.buckets: list[Bucket] = []
+        self.rounds = 0  # all-reduce rounds run (for tests and benchmarks)
+        self.failed_rounds = 0
+        self.bytes_sent = 0
+        self._averagers: dict[tuple[int, int], DecentralizedAverager] = {}
+        self._build()
+
+    @property
+    def context(self):
+        return self.impl.context
+
+    def _build(self) -> None:
+        named = self.impl.init_tensors()
+        groups = self.impl.tensors_to_buckets(named)
+        self.buckets = [Bucket(f"s{self.stage}b{i}", group) for i, group in enumerate(groups)]
+        for bucket in self.buckets:
+            self.impl.init_operations(bucket)
+
+    def step(self, batch_size: int) -> bool:
+        """One ``Optimizer.step()``; returns whether the algorithm communicated (and updated the model)."""
+        impl = self.impl
+        impl.on_backward(batch_size)
+        if impl.need_reset():
+            impl.reset()
+            self._close_averagers()
+            self.stage += 1
+            self._build()
+        if not impl.should_communicate():
+            return False
+        self.communicate()
+        with self.context.optimizer.state_lock:
+            impl.optimizer_step()
+            self.context.optimizer.state_manager.copy_to_model()
+        impl.on_optimizer_step()
+        return True
+
+    def communicate(self) -> None:
+        """Runs every bucket's operations, position by position; averages at one position share a round."""
+        depth = max((len(b.ops) for b in self.buckets), default=0)
+        for position in range(depth):
+            here = [(b, b.ops[position]) for b in self.buckets if position < len(b.ops)]
+            averaged = [b for b, op in here if isinstance(op, AverageOp)]
+            if averaged:
+                self._average_at(position, averaged)
+            for bucket, op in here:
+                if not isinstance(op, AverageOp):
+                    op.run([bucket], self)
+
+    def average(self, buckets: Sequence[Bucket]) -> None:
+        """For custom operations: average these buckets now, in one round (position -1)."""
+        self._average_at(-1, list(buckets))
+
+    def _average_at(self, position: int, buckets: list[Bucket]) -> None:
+        averager = self._averager(position, buckets)
+        ops = [b.ops[position] if position >= 0 else AverageOp() for b in buckets]
+        weight = _weight(ops)
+        for bucket in buckets:
+            bucket.pack()
+        optimizer = self.context.optimizer
+        config = optimizer.config
+        now = get_dht_time()
+        try:
+            averager.step(
+                weight=weight,
+                scheduled_time=now + config.matchmaking_time,
+                timeout=config.averaging_timeout,
+            )
+        except (MatchmakingError, AllreduceError, DeadlineExceededError) as e:
+            self.failed_rounds += 1
+            logger.warning(f"averaging failed ({e}): proceeding with local values")
+            return
+        self.rounds += 1
+        if averager.last_round is not None:
+            self.bytes_sent += averager.last_round.bytes_sent
+        with averager.get_tensors():
+            for bucket in buckets:
+                bucket.unpack()
+
+    def _averager(self, position: int, buckets: list[Bucket]) -> DecentralizedAverager:
+        key = (self.stage, position)
+        averager = self._averagers.get(key)
+        if averager is not None:
+            return averager
+        ops = [b.ops[position] if position >= 0 else AverageOp() for b in buckets]
+        codecs = {
+            b.name: as_codec(op.codec if op.codec is not None else NoCompression())
+            for b, op in zip(buckets, ops, strict=True)
+        }
+        optimizer = self.context.optimizer
+        config = optimizer.config
+        opts = dict(optimizer.averager_opts)
+        opts.setdefault("client_mode", config.client_mode)
+        opts.setdefault("min_matchmaking_time", config.matchmaking_time)
+        opts.setdefault("allreduce_timeout", config.allreduce_timeout)
+        opts.setdefault("next_chunk_timeout", config.next_chunk_timeout)
+        averager = DecentralizedAverager(
+            [b.flat for b in buckets],
+            optimizer.dht,
+            start=True,
+            prefix=self.context.prefix(f"s{self.stage}p{position}"),
+            compression=PerTensorCompression(codecs),
+            tensor_infos=[CompressionInfo.from_tensor(b.flat, key=b.name) for b in buckets],
+            allow_state_sharing=False,
+            **opts,
+        )
+        self._averagers[key] = averager
+        return averager
+
+    def _close_averagers(self) -> None:
+        for averager in self._averagers.values():
+            averager.shutdown()
+        self._averagers.clear()
+
+    def shutdown(self) -> None:
+        try:
+            self.impl.shutdown()
+        finally:
+            self._close_averagers()
+
+
+def _weight(ops: list[AverageOp]) -> float:
+    weights = {op.weight() if op.weight is not None else 1.0 for op in ops}
+    if len(weights) != 1:
+        raise ConfigurationError(f"average operations of one round disagree on this peer's weight: {weights}")
+    return float(weights.pop())
