@@ -1,0 +1,76 @@
+"""Neighbours for decentralized algorithms: who they are (a pure choice) and how they are found (DHT).
+
+Peers of one run and model register under one DHT key (subkey: their peer id, refreshed with an
+expiration). Each peer chooses its neighbours on a ring of the sorted peer ids: the ``count``
+peers that follow it (wrapping around), skipping itself, current neighbours and excluded (dead)
+peers. The choice is made once and kept for the run; a neighbour is replaced only when it fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+MAX_REGISTERED = 4096  # a registry read may list at most this many peers (the rest are ignored)
+
+
+def choose_neighbours(
+    me: str, live: Iterable[str], count: int, *, current: Sequence[str] = (), exclude: Iterable[str] = ()
+) -> list[str]:
+    """``current`` plus new neighbours, up to ``count`` in total: the live peers that follow ``me`` on the
+    ring of sorted peer ids, skipping ``me``, ``current`` and ``exclude``. Pure (tested directly)."""
+    excluded = set(exclude) | {me} | set(current)
+    ring = sorted(set(live) | {me})
+    start = ring.index(me)
+    chosen = list(current)
+    for offset in range(1, len(ring)):
+        if len(chosen) >= count:
+            break
+        candidate = ring[(start + offset) % len(ring)]
+        if candidate not in excluded:
+            chosen.append(candidate)
+    return chosen
+
+
+class NeighbourRegistry:
+    """Registers this peer under ``key`` and lists the other registered peers (blocking DHT calls
+    with timeouts; call from a worker thread, not the event loop)."""
+
+    def __init__(self, dht: DHT, key: str, peer_id: str, *, expiration: float = 30.0, timeout: float = 5.0) -> None:
+        self.dht, self.key, self.peer_id = dht, key, peer_id
+        self.expiration, self.timeout = expiration, timeout
+        self._registered_until = 0.0
+
+    def register(self, force: bool = False) -> None:
+        now = get_dht_time()
+        if not force and now < self._registered_until - self.expiration / 2:
+            return
+        try:
+            future = self.dht.store(
+                self.key, subkey=self.peer_id, value=now, expiration_time=now + self.expiration, return_future=True
+            )
+            if future.result(self.timeout):
+                self._registered_until = now + self.expiration
+        except Exception as e:  # a DHT hiccup: try again at the next call
+            logger.debug(f"could not register as a neighbour under {self.key}: {e!r}")
+
+    def live_peers(self) -> list[str]:
+        try:
+            found = self.dht.get(self.key, latest=True, return_future=True).result(self.timeout)
+        except Exception as e:
+            logger.debug(f"could not read the neighbour registry {self.key}: {e!r}")
+            return []
+        if found is None or not isinstance(found.value, dict):
+            return []
+        peers = [str(subkey) for subkey in list(found.value)[:MAX_REGISTERED] if _is_peer_id(subkey)]
+        return [p for p in peers if p != self.peer_id]
+
+
+def _is_peer_id(subkey: Any) -> bool:
+    return isinstance(subkey, str) and 20 <= len(subkey) <= 128 and subkey.isalnum()
