@@ -6,7 +6,8 @@ its own averaging, compression and training algorithms.
 
 from hivemind_ext import compression, errors
 from hivemind_ext.errors import HivemindExtError
+from hivemind_ext.optim import GradScaler, Optimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["HivemindExtError", "__version__", "compression", "errors"]
+__all__ = ["GradScaler", "HivemindExtError", "Optimizer", "__version__", "compression", "errors"]

@@ -33,13 +33,14 @@ from hivemind_ext.errors import ConfigurationError, HivemindExtError, ProtocolEr
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket, Operation
 from hivemind_ext.optim.algorithms.neighbours import NeighbourRegistry, choose_neighbours
 from hivemind_ext.p2p import HandlerConfig, Limits, Message, RPCClient, RPCContext, RPCServer, TaskOwner
-from hivemind_ext.p2p.messages import pack_tensor, unpack_tensor
+from hivemind_ext.p2p.messages import TENSOR_KEY, pack_tensor, unpack_tensor
 from hivemind_ext.runtime import LoopThread
 
 logger = logging.getLogger(__name__)
 
 MAX_QUEUED_PUSHES = 64  # a subscriber that falls this far behind is dropped (it re-subscribes)
 MAX_PUSH_FAILURES = 3
+MAX_BATCHED_PUSHES = 32  # differences sent in one push when a subscriber's queue has several
 
 
 class DecentralizedSGD(Algorithm):
@@ -90,10 +91,35 @@ class NeighbourExchange(Operation):
 
 
 class _Neighbour:
-    def __init__(self, replica: torch.Tensor, next_seq: int) -> None:
-        self.replica, self.next_seq = replica, next_seq
+    """A neighbour's replica; while subscribing (replica None), early differences wait in ``early``."""
+
+    def __init__(self) -> None:
+        self.replica: torch.Tensor | None = None
+        self.next_seq = 0
+        self.early: list[tuple[int, torch.Tensor]] = []
         self.last_heard = time.monotonic()
         self.needs_resync = False
+
+    def start(self, replica: torch.Tensor, seq: int) -> None:
+        """The subscription's snapshot (after difference ``seq``), then the differences that came early."""
+        self.replica, self.next_seq, self.needs_resync = replica, seq + 1, False
+        for early_seq, delta in sorted(self.early, key=lambda item: item[0]):
+            self.apply(early_seq, delta)
+        self.early.clear()
+
+    def apply(self, seq: int, delta: torch.Tensor) -> None:
+        if self.replica is None:
+            if len(self.early) < MAX_QUEUED_PUSHES:
+                self.early.append((seq, delta))
+            return
+        if seq < self.next_seq:
+            return  # a duplicate, or older than the snapshot
+        if seq > self.next_seq:
+            self.needs_resync = True  # a difference was lost: download the model again
+            return
+        self.replica.add_(delta.to(self.replica.device))
+        self.next_seq += 1
+        self.last_heard = time.monotonic()
 
 
 class DecentralizedSGDImpl(AlgorithmImpl):
@@ -110,6 +136,9 @@ class DecentralizedSGDImpl(AlgorithmImpl):
         self._lock = threading.Lock()  # replicas, seq and subscribers (the loop thread's handlers take it)
         self._subscribers: dict[str, asyncio.Queue] = {}
         self._x_before: torch.Tensor | None = None
+        # the model as neighbours know it: the last published model and its sequence number (a
+        # subscriber's replica starts from it, and every later difference applies on top)
+        self._published = torch.cat([p.detach().reshape(-1).float() for p in context.params])
         self._next_maintenance = 0.0
         self._loop = LoopThread(f"decentralized-sgd[{context.key}]")
         self._tasks: TaskOwner | None = None
@@ -158,8 +187,12 @@ class DecentralizedSGDImpl(AlgorithmImpl):
     def mix(self, bucket: Bucket) -> None:
         bucket.pack()
         self._x_before = bucket.flat.clone()
+        if not torch.equal(self._x_before, self._published):
+            # the model changed outside the algorithm (e.g. a state download): publish that change
+            # exactly, so that the neighbours' replicas stay equal to it
+            self._publish(NoCompression().compress(self._x_before - self._published), self._x_before)
         with self._lock:
-            replicas = [n.replica for n in self.neighbours.values() if not n.needs_resync]
+            replicas = [n.replica for n in self.neighbours.values() if n.replica is not None and not n.needs_resync]
             if replicas:
                 torch.mean(torch.stack([bucket.flat, *replicas]), dim=0, out=bucket.flat)
         bucket.unpack()
@@ -176,9 +209,14 @@ class DecentralizedSGDImpl(AlgorithmImpl):
         delta = codec.decompress(message)
         torch.add(self._x_before, delta.to(bucket.flat.dtype), out=bucket.flat)
         bucket.unpack()
+        self._publish(message, bucket.flat)
+
+    def _publish(self, message: Any, model: torch.Tensor) -> None:
+        """Sends one difference to the subscribers; ``model`` is this peer's model after it."""
         with self._lock:
             self.seq += 1
             seq = self.seq
+            self._published.copy_(model)
             queues = list(self._subscribers.items())
         for peer, queue in queues:
             if queue.qsize() >= MAX_QUEUED_PUSHES:
@@ -216,6 +254,10 @@ class DecentralizedSGDImpl(AlgorithmImpl):
                 self._excluded[peer] = now + 3 * self.algorithm.neighbour_timeout
 
     def _subscribe(self, peer: str) -> bool:
+        with self._lock:
+            neighbour = self.neighbours.get(peer)
+            if neighbour is None or neighbour.replica is not None:
+                neighbour = self.neighbours[peer] = _Neighbour()  # pushes may arrive before the answer
         try:
             response = self._loop.run(
                 self._client.call(
@@ -236,13 +278,13 @@ class DecentralizedSGDImpl(AlgorithmImpl):
                 self.neighbours.pop(peer, None)
             return False
         with self._lock:
-            self.neighbours[peer] = _Neighbour(replica, seq + 1)
+            neighbour.start(replica, seq)
         logger.debug(f"{self.peer_id}: replica of {peer} synchronized at difference {seq}")
         return True
 
     def _ping(self, peer: str) -> bool:
         try:
-            self._loop.run(
+            response = self._loop.run(
                 self._client.call(
                     PeerID.from_base58(peer), "ping", Message({}), timeout=self.algorithm.request_timeout
                 ),
@@ -250,8 +292,12 @@ class DecentralizedSGDImpl(AlgorithmImpl):
             )
         except (HivemindExtError, TimeoutError):
             return False
-        if peer in self.neighbours:
-            self.neighbours[peer].last_heard = time.monotonic()
+        with self._lock:
+            neighbour = self.neighbours.get(peer)
+            if neighbour is not None:
+                neighbour.last_heard = time.monotonic()
+                if not response.header.get("subscribed") or response.header.get("seq", 0) >= neighbour.next_seq:
+                    neighbour.needs_resync = True  # it dropped us, or we missed differences
         return True
 
     # ----- the service (loop thread)
@@ -271,16 +317,15 @@ class DecentralizedSGDImpl(AlgorithmImpl):
         await self._server.add_unary("ping", self._handle_ping)
 
     async def _handle_ping(self, request: Message, ctx: RPCContext) -> Message:
-        return Message({"ok": True})
+        with self._lock:
+            return Message({"subscribed": ctx.peer_id.to_base58() in self._subscribers, "seq": self.seq})
 
     async def _handle_subscribe(self, request: Message, ctx: RPCContext) -> Message:
         if request.header.get("numel") != self.numel:
             raise ProtocolError(f"this model has {self.numel} values, not {request.header.get('numel')!r}")
         peer = ctx.peer_id.to_base58()
-        params = self.context.params
         with self._lock:  # the snapshot and the sequence number must match
-            with self.context.optimizer.state_lock:
-                flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params])
+            flat = self._published.cpu().clone()
             seq = self.seq
             old = self._subscribers.pop(peer, None)
             queue: asyncio.Queue = asyncio.Queue()
@@ -292,40 +337,29 @@ class DecentralizedSGDImpl(AlgorithmImpl):
         return pack_tensor(NoCompression().compress(flat), seq=seq)
 
     async def _handle_push(self, request: Message, ctx: RPCContext) -> Message:
+        """One push carries one or more consecutive differences (a sender that fell behind batches them)."""
         peer = ctx.peer_id.to_base58()
-        seq = request.header.get("seq")
-        if isinstance(seq, bool) or not isinstance(seq, int):
-            raise ProtocolError("a push needs an integer sequence number")
-        delta = _decoded(request, self.numel)
+        deltas = [(seq, _decoded(part, self.numel)) for seq, part in _split_push(request)]
         with self._lock:
             neighbour = self.neighbours.get(peer)
             if neighbour is None:
                 raise ProtocolError("not subscribed to this peer")
-            if seq < neighbour.next_seq:
-                return Message({"ok": True, "duplicate": True})
-            if seq > neighbour.next_seq:
-                neighbour.needs_resync = True  # a difference was lost: download the model again
-                return Message({"ok": False, "resync": True})
-            neighbour.replica.add_(delta.to(neighbour.replica.device))
-            neighbour.next_seq += 1
-            neighbour.last_heard = time.monotonic()
+            for seq, delta in deltas:
+                neighbour.apply(seq, delta)
         return Message({"ok": True})
 
     async def _send_to(self, peer: str, queue: asyncio.Queue) -> None:
         failures = 0
         while True:
-            item = await queue.get()
-            if item is None:
+            batch = [await queue.get()]
+            while not queue.empty() and len(batch) < MAX_BATCHED_PUSHES and batch[-1] is not None:
+                batch.append(queue.get_nowait())
+            if batch[-1] is None:
                 return
-            seq, message = item
             try:
-                await self._client.call(
-                    PeerID.from_base58(peer),
-                    "push",
-                    pack_tensor(message, seq=seq),
-                    timeout=self.algorithm.request_timeout,
-                )
-                self.bytes_pushed += len(message.payload_view())
+                push = _join_push(batch)
+                await self._client.call(PeerID.from_base58(peer), "push", push, timeout=self.algorithm.request_timeout)
+                self.bytes_pushed += len(push.payload_view())
                 failures = 0
             except HivemindExtError as e:
                 failures += 1
@@ -358,6 +392,36 @@ class DecentralizedSGDImpl(AlgorithmImpl):
             logger.debug(f"decentralized SGD did not stop cleanly: {e!r}")
         finally:
             self._loop.stop(timeout=5)
+
+
+def _join_push(batch: list[tuple[int, Any]]) -> Message:
+    """Consecutive differences in one message: their headers and sizes in the header, payloads joined."""
+    views = [message.payload_view() for _, message in batch]
+    header = {
+        "seqs": [seq for seq, _ in batch],
+        "tensors": [message.header() for _, message in batch],
+        "sizes": [len(view) for view in views],
+    }
+    return Message(header, b"".join(views))
+
+
+def _split_push(request: Message) -> list[tuple[int, Message]]:
+    header = request.header
+    seqs, tensors, sizes = header.get("seqs"), header.get("tensors"), header.get("sizes")
+    if not all(isinstance(x, list) for x in (seqs, tensors, sizes)) or not 0 < len(seqs) <= MAX_BATCHED_PUSHES:
+        raise ProtocolError("a push needs lists of sequence numbers, tensor headers and sizes")
+    if not len(seqs) == len(tensors) == len(sizes):
+        raise ProtocolError("a push's lists differ in length")
+    payload = request.payload_view()
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in (*seqs, *sizes)) or sum(sizes) != len(
+        payload
+    ):
+        raise ProtocolError("a push's sequence numbers or sizes are invalid")
+    parts, offset = [], 0
+    for seq, tensor_header, size in zip(seqs, tensors, sizes, strict=True):
+        parts.append((seq, Message({TENSOR_KEY: tensor_header}, payload[offset : offset + size])))
+        offset += size
+    return parts
 
 
 def _decoded(message: Message, numel: int) -> torch.Tensor:

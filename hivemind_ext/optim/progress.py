@@ -1,0 +1,746 @@
+"""Swarm-wide training progress: how many samples the peers have accumulated toward the next epoch.
+
+Every peer publishes one record under the DHT key ``f"{prefix}_progress"``, in its own subkey
+``[owner:<RSA public key>]``. hivemind's :class:`RSASignatureValidator` signs a record whose subkey
+holds the writer's public key and makes every DHT node that runs it (on store, and on reading a
+value from another node) reject a record under such a subkey unless it carries a valid signature
+by that key. The validator leaves records under any other subkey unprotected, so readers here
+accept only owner subkeys; and :class:`ProgressRecordValidator` makes the nodes that run a tracker
+refuse such unprotected or malformed entries at store time too.
+
+A record's value is the list ``[peer_id, epoch, samples_accumulated, samples_per_second, time,
+client_mode]``, or ``None`` once its owner has left. The DHT is open to anyone: every record is
+parsed strictly and a malformed one is skipped, never trusted.
+
+:func:`aggregate_progress` turns the records into a :class:`GlobalTrainingProgress`; it is a pure
+function of the records, this peer's own progress and the clock, so tests drive it directly.
+:class:`ProgressTracker` is the thin I/O around it: a background thread that publishes this peer's
+record and fetches everyone's, every DHT call bounded by a deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import math
+import operator
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from hivemind_ext.errors import (
+    ClosedError,
+    ConfigurationError,
+    DeadlineExceededError,
+    PeerUnreachableError,
+    ProtocolError,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_COUNT = 2**62  # epochs and sample counts above this are absurd: such a record is malformed
+RECORD_FIELDS = 6
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58
+_OWNER_SUBKEY = re.compile(rb"\[owner:(.+)\]", re.DOTALL)  # RSASignatureValidator.PUBLIC_KEY_FORMAT, whole subkey
+_POLL_SECONDS = 0.1  # how often a wait on the DHT checks whether the tracker is shutting down
+_REMOVAL_WAIT_SECONDS = 1.0  # how long shutdown waits for the store that withdraws this peer's record
+
+
+@dataclass(frozen=True)
+class LocalTrainingProgress:
+    """One peer's progress, as it publishes it."""
+
+    peer_id: str  # base58 libp2p peer id
+    epoch: int
+    samples_accumulated: int
+    samples_per_second: float
+    time: float  # DHT time of the report
+    client_mode: bool
+
+
+@dataclass(frozen=True)
+class GlobalTrainingProgress:
+    """The swarm's progress toward the next epoch, as this peer sees it."""
+
+    epoch: int  # the highest epoch any live peer reports
+    samples_accumulated: int  # samples reported by the peers at that epoch
+    target_batch_size: int
+    num_peers: int  # live peers, this one included
+    num_clients: int
+    eta_next_epoch: float  # DHT time at which the swarm is expected to reach target_batch_size
+    next_fetch_time: float  # DHT time at which the tracker reads the records again
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressTrackerConfig:
+    """Settings of a :class:`ProgressTracker`; the keyword arguments of its constructor, checked together."""
+
+    prefix: str
+    target_batch_size: int
+    min_refresh_period: float = 0.5
+    max_refresh_period: float = 10.0
+    default_refresh_period: float = 3.0
+    expected_drift_peers: float = 3.0
+    expected_drift_rate: float = 0.2
+    performance_ema_alpha: float = 0.1
+    metadata_expiration: float = 60.0
+    status_loglevel: int = logging.DEBUG
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix:
+            raise ConfigurationError("prefix must be a non-empty string")
+        if type(self.target_batch_size) is not int or not 0 < self.target_batch_size <= MAX_COUNT:
+            raise ConfigurationError(f"target_batch_size must be a positive integer, got {self.target_batch_size!r}")
+        for name in ("min_refresh_period", "max_refresh_period", "default_refresh_period", "metadata_expiration"):
+            value = getattr(self, name)
+            if not _is_real(value) or not 0 < value < math.inf:
+                raise ConfigurationError(f"{name} must be a positive finite number, got {value!r}")
+        if not self.min_refresh_period <= self.default_refresh_period <= self.max_refresh_period:
+            raise ConfigurationError("refresh periods must satisfy min <= default <= max")
+        if self.metadata_expiration <= self.max_refresh_period:
+            # a record must outlive the longest gap between two fetches, or peers would flicker in and out
+            raise ConfigurationError("metadata_expiration must exceed max_refresh_period")
+        for name in ("expected_drift_peers", "expected_drift_rate"):
+            value = getattr(self, name)
+            if not _is_real(value) or not 0 <= value < math.inf:
+                raise ConfigurationError(f"{name} must be a non-negative finite number, got {value!r}")
+        if not _is_real(self.performance_ema_alpha) or not 0 < self.performance_ema_alpha <= 1:
+            raise ConfigurationError(f"performance_ema_alpha must be in (0, 1], got {self.performance_ema_alpha!r}")
+
+    @property
+    def training_progress_key(self) -> str:
+        return f"{self.prefix}_progress"
+
+    @property
+    def request_timeout(self) -> float:
+        """Deadline of one background DHT call: long enough for a slow swarm, short enough that a
+        dead one cannot make the record expire before the tracker notices."""
+        return min(max(5.0, 2 * self.max_refresh_period), self.metadata_expiration / 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Records on the wire
+
+
+def progress_value(progress: LocalTrainingProgress) -> list[Any]:
+    """The DHT value that publishes ``progress``."""
+    return [
+        progress.peer_id,
+        progress.epoch,
+        progress.samples_accumulated,
+        float(progress.samples_per_second),
+        float(progress.time),
+        progress.client_mode,
+    ]
+
+
+def parse_progress_value(value: Any) -> LocalTrainingProgress:
+    """One record's value; raises :class:`ProtocolError` if anything in it is malformed."""
+    if not isinstance(value, list | tuple) or len(value) != RECORD_FIELDS:
+        raise ProtocolError(f"a progress record must be a list of {RECORD_FIELDS} fields")
+    peer_id, epoch, samples, speed, report_time, client_mode = value
+    if not isinstance(peer_id, str) or not _PEER_ID.fullmatch(peer_id):
+        raise ProtocolError("peer_id must be a base58 string")
+    if type(epoch) is not int or not 0 <= epoch <= MAX_COUNT:
+        raise ProtocolError(f"epoch must be an integer in [0, 2**62], got {epoch!r:.40}")
+    if type(samples) is not int or not 0 <= samples <= MAX_COUNT:
+        raise ProtocolError(f"samples_accumulated must be an integer in [0, 2**62], got {samples!r:.40}")
+    if not _is_real(speed) or not 0 <= speed < math.inf:
+        raise ProtocolError(f"samples_per_second must be a non-negative finite number, got {speed!r:.40}")
+    if not _is_real(report_time) or not math.isfinite(report_time):
+        raise ProtocolError("time must be a finite number")
+    if not isinstance(client_mode, bool):
+        raise ProtocolError("client_mode must be a bool")
+    return LocalTrainingProgress(peer_id, epoch, samples, float(speed), float(report_time), client_mode)
+
+
+def is_owner_subkey(subkey: Any) -> bool:
+    """Whether ``subkey`` names an RSA owner, the only kind of subkey whose record the DHT makes
+    its writer sign; a record under any other subkey could have been written by anyone."""
+    return isinstance(subkey, bytes) and _OWNER_SUBKEY.fullmatch(subkey) is not None
+
+
+def parse_progress_records(
+    entries: Iterable[tuple[Any, Any, Any]], *, now: float, exclude_subkey: bytes | None = None
+) -> list[LocalTrainingProgress]:
+    """Records from ``(subkey, value, expiration)`` triples, skipping withdrawn (``None``), expired,
+    unprotected and malformed ones, and the one under ``exclude_subkey`` (this peer's own)."""
+    records = []
+    for subkey, value, expiration in entries:
+        if value is None or subkey == exclude_subkey:
+            continue
+        try:
+            if not _is_real(expiration) or not expiration > now:
+                raise ProtocolError("expired or malformed expiration")
+            if not is_owner_subkey(subkey):
+                raise ProtocolError("the subkey is not an [owner:<public key>] marker, so nothing signed the record")
+            records.append(parse_progress_value(value))
+        except ProtocolError as e:
+            logger.debug("skipping a progress record under %.60r: %s", subkey, e)
+    return records
+
+
+class ProgressRecordValidator(RecordValidatorBase):
+    """Makes a DHT node refuse, under one progress key, anything but owner-subkey entries holding a
+    well-formed record or ``None``. It runs after :class:`RSASignatureValidator` (lower priority), so
+    it sees values already checked and stripped of their signature."""
+
+    def __init__(self, training_progress_key: str):
+        self.key_bytes = DHTID.generate(source=training_progress_key).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self.key_bytes:
+            return True
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            value = MSGPackSerializer.loads(record.value)
+            if not is_owner_subkey(subkey):
+                return False
+            if value is not None:
+                parse_progress_value(value)
+            return True
+        except Exception as e:  # anything a hostile byte string makes msgpack or the parser raise
+            logger.debug("refusing a progress record: %r", e)
+            return False
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        # a second tracker for the same prefix on one DHT needs no second copy
+        return isinstance(other, ProgressRecordValidator) and other.key_bytes == self.key_bytes
+
+
+# ----------------------------------------------------------------------------------------------
+# Decisions
+
+
+def aggregate_progress(
+    records: Sequence[LocalTrainingProgress],
+    local: LocalTrainingProgress,
+    *,
+    target_batch_size: int,
+    now: float,
+    min_refresh_period: float,
+    max_refresh_period: float,
+    default_refresh_period: float,
+    expected_drift_peers: float,
+    expected_drift_rate: float,
+) -> GlobalTrainingProgress:
+    """The swarm's progress from the live peers' ``records`` and this peer's own latest ``local``
+    progress (which replaces any record with its peer id)."""
+    peers = [record for record in records if record.peer_id != local.peer_id]
+    peers.append(local)
+    epoch = max(peer.epoch for peer in peers)
+    current = [peer for peer in peers if peer.epoch == epoch]
+    samples = sum(peer.samples_accumulated for peer in current)
+
+    # Every live peer's speed counts, also those still at an older epoch: they are about to catch up
+    # and contribute. Samples count only at the current epoch; each is extrapolated from its report
+    # time, since a record is only republished every so often.
+    total_speed = sum(peer.samples_per_second for peer in peers)
+    expected_samples = sum(
+        peer.samples_accumulated + peer.samples_per_second * max(0.0, now - peer.time) for peer in current
+    )
+    remaining = max(0.0, target_batch_size - expected_samples)
+    if remaining == 0:
+        seconds_to_epoch = 0.0
+    elif total_speed > 0:
+        seconds_to_epoch = remaining / total_speed
+    else:
+        seconds_to_epoch = math.inf
+
+    if len(peers) == 1:
+        # alone, this peer knows its own progress without asking; it reads the DHT only to find newcomers
+        seconds_to_fetch = default_refresh_period
+    else:
+        # Peers may join before the epoch ends and speed it up: with up to `expected_max_peers`, the
+        # epoch could end after only `num_peers / expected_max_peers` of the estimate. Reading again
+        # by then means this peer does not miss the moment the others move on.
+        num_peers = len(peers)
+        expected_max_peers = max(num_peers + expected_drift_peers, num_peers * (1 + expected_drift_rate))
+        seconds_to_fetch = seconds_to_epoch * num_peers / expected_max_peers
+    seconds_to_fetch = min(max(seconds_to_fetch, min_refresh_period), max_refresh_period)
+
+    return GlobalTrainingProgress(
+        epoch=epoch,
+        samples_accumulated=samples,
+        target_batch_size=target_batch_size,
+        num_peers=len(peers),
+        num_clients=sum(1 for peer in peers if peer.client_mode),
+        eta_next_epoch=now + seconds_to_epoch,
+        next_fetch_time=now + seconds_to_fetch,
+    )
+
+
+def is_ready_to_update_epoch(global_progress: GlobalTrainingProgress, local_epoch: int) -> bool:
+    """Whether a peer at ``local_epoch`` may end its epoch now: the swarm has moved on already, or its
+    reported samples reach the target. A passed ETA is not enough: it is only an extrapolation."""
+    return (
+        global_progress.epoch > local_epoch or global_progress.samples_accumulated >= global_progress.target_batch_size
+    )
+
+
+class SpeedEstimate:
+    """Samples per second as an exponential moving average of the seconds per sample (so that a
+    report of many samples weighs as much as several small ones), corrected for its zero start.
+    Time spent paused does not count."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self._seconds_per_sample = 0.0
+        self._num_updates = 0
+        self._since = time.monotonic()
+        self._paused_at: float | None = None
+        self._paused_seconds = 0.0
+
+    @property
+    def samples_per_second(self) -> float:
+        if self._num_updates == 0:
+            return 0.0
+        debiased = self._seconds_per_sample / (1 - (1 - self.alpha) ** self._num_updates)
+        return 1.0 / debiased if debiased > 0 else 0.0
+
+    def update(self, num_samples: int) -> None:
+        now = time.monotonic()
+        paused = self._paused_seconds + (now - self._paused_at if self._paused_at is not None else 0.0)
+        elapsed = max(0.0, now - self._since - paused)
+        self._restart(now)
+        if num_samples <= 0 or elapsed <= 0:
+            return
+        self._seconds_per_sample = self.alpha * elapsed / num_samples + (1 - self.alpha) * self._seconds_per_sample
+        self._num_updates += 1
+
+    def reset_timer(self) -> None:
+        self._restart(time.monotonic())
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = time.monotonic()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._paused_seconds += time.monotonic() - self._paused_at
+            self._paused_at = None
+
+    def _restart(self, now: float) -> None:
+        self._since, self._paused_seconds = now, 0.0
+        if self._paused_at is not None:
+            self._paused_at = now
+
+
+# ----------------------------------------------------------------------------------------------
+# The tracker
+
+
+class ProgressTracker:
+    """Publishes this peer's training progress and keeps an up-to-date view of the swarm's.
+
+    Drop-in for ``hivemind.optim.progress_tracker.ProgressTracker``: same constructor arguments and
+    attributes. A background daemon thread publishes the local record (when a report or a new epoch
+    asks for it, at most every ``min_refresh_period`` otherwise, and at least every
+    ``metadata_expiration / 2``) and reads everyone's at ``global_progress.next_fetch_time``. Every
+    DHT call has a deadline, so a dead or unreachable DHT slows nothing down; :meth:`shutdown`
+    returns promptly. With ``start=True`` the constructor reads the swarm's progress once (waiting
+    at most the request timeout), so :attr:`global_progress` is meaningful from the start;
+    :meth:`start` alone does not wait.
+    """
+
+    def __init__(
+        self,
+        dht: DHT,
+        prefix: str,
+        target_batch_size: int,
+        *,
+        client_mode: bool | None = None,
+        min_refresh_period: float = 0.5,
+        max_refresh_period: float = 10.0,
+        default_refresh_period: float = 3.0,
+        expected_drift_peers: float = 3.0,
+        expected_drift_rate: float = 0.2,
+        performance_ema_alpha: float = 0.1,
+        metadata_expiration: float = 60.0,
+        status_loglevel: int = logging.DEBUG,
+        private_key: RSAPrivateKey | None = None,
+        daemon: bool = True,
+        start: bool,
+    ):
+        self.config = ProgressTrackerConfig(
+            prefix=prefix,
+            target_batch_size=target_batch_size,
+            min_refresh_period=min_refresh_period,
+            max_refresh_period=max_refresh_period,
+            default_refresh_period=default_refresh_period,
+            expected_drift_peers=expected_drift_peers,
+            expected_drift_rate=expected_drift_rate,
+            performance_ema_alpha=performance_ema_alpha,
+            metadata_expiration=metadata_expiration,
+            status_loglevel=status_loglevel,
+        )
+        self.dht, self.prefix, self.target_batch_size = dht, prefix, target_batch_size
+        self.client_mode = dht.client_mode if client_mode is None else client_mode
+        self.training_progress_key = self.config.training_progress_key
+
+        signature_validator = RSASignatureValidator(private_key)
+        self._own_subkey = signature_validator.local_public_key
+        dht.add_validators([signature_validator, ProgressRecordValidator(self.training_progress_key)])
+        self._check_signing_key(signature_validator)
+
+        self._lock = threading.Lock()  # guards every field below that the thread and the callers share
+        self._speed = SpeedEstimate(performance_ema_alpha)
+        self._local = LocalTrainingProgress(dht.peer_id.to_base58(), 0, 0, 0.0, get_dht_time(), self.client_mode)
+        self._records: list[LocalTrainingProgress] = []  # the other peers' records, as last fetched
+        now = get_dht_time()
+        self._global = dataclasses.replace(self._aggregate(now), next_fetch_time=now)
+        self._publish_pending = self._fetch_pending = True
+        self._last_publish_time = -math.inf
+        self._paused = 0
+
+        self._wake, self._stopping = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{type(self).__name__}({prefix})", daemon=daemon)
+        if start:
+            # like hivemind's tracker, know the swarm's progress once constructed (here with a deadline)
+            try:
+                self._fetch(deadline=time.monotonic() + self.config.request_timeout)
+                self._fetch_pending = False
+            except (DeadlineExceededError, PeerUnreachableError) as e:
+                logger.debug("no first view of the progress of %s: %r", prefix, e)
+            self.start()
+
+    # -- what callers read ------------------------------------------------------------------------
+
+    @property
+    def local_progress(self) -> LocalTrainingProgress:
+        return self._local
+
+    @property
+    def global_progress(self) -> GlobalTrainingProgress:
+        return self._global
+
+    @property
+    def global_epoch(self) -> int:
+        return self._global.epoch
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        """Whether this peer may end its epoch now (see :func:`is_ready_to_update_epoch`)."""
+        with self._lock:
+            return is_ready_to_update_epoch(self._global, self._local.epoch)
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        """DHT time at which this peer is expected to end its epoch: now if it may already."""
+        with self._lock:
+            if is_ready_to_update_epoch(self._global, self._local.epoch):
+                return get_dht_time()
+            return self._global.eta_next_epoch
+
+    # -- what callers do ----------------------------------------------------------------------------
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
+        """Record this peer's progress and have it published soon; returns without touching the network.
+        With ``update_global_samples``, :attr:`global_progress` counts the new samples right away."""
+        local_epoch, samples_accumulated = _count(local_epoch, "local_epoch"), _count(samples_accumulated, "samples")
+        with self._lock:
+            extra_samples = samples_accumulated - self._local.samples_accumulated
+            if local_epoch == self._local.epoch and extra_samples > 0:
+                self._speed.update(extra_samples)
+            else:  # a new epoch or a reset: the time since the last report measured nothing
+                self._speed.reset_timer()
+            self._set_local(local_epoch, samples_accumulated, update_global_samples)
+            self._publish_pending = True
+        self._wake.set()
+
+    def update_epoch(self, new_epoch: int | None = None) -> int:
+        """Move this peer to ``max(new_epoch, local epoch)`` (default: the next epoch) with no samples
+        accumulated; publish and fetch promptly (once any :meth:`pause_updates` block ends).
+        Returns the local epoch."""
+        with self._lock:
+            new_epoch = self._local.epoch + 1 if new_epoch is None else _count(new_epoch, "new_epoch")
+            epoch = max(new_epoch, self._local.epoch)
+            self._speed.reset_timer()
+            self._set_local(epoch, 0, update_global_samples=True)
+            self._publish_pending = self._fetch_pending = True
+        self._wake.set()
+        return epoch
+
+    def fetch_now(self, timeout: float | None = None) -> GlobalTrainingProgress:
+        """Read every peer's record from the DHT now and return the refreshed :attr:`global_progress`
+        (also inside :meth:`pause_updates`: this is an explicit request).
+
+        :raises DeadlineExceededError: the DHT did not answer within ``timeout`` seconds (default:
+          the tracker's request timeout)
+        :raises PeerUnreachableError: the DHT failed (for instance, it was shut down)
+        :raises ClosedError: the tracker was shut down
+        """
+        if self._stopping.is_set():
+            raise ClosedError("the progress tracker was shut down")
+        timeout = self.config.request_timeout if timeout is None else timeout
+        self._fetch(deadline=time.monotonic() + timeout)
+        return self._global
+
+    @contextlib.contextmanager
+    def pause_updates(self) -> Iterator[None]:
+        """Inside the block, the background thread neither publishes nor replaces :attr:`global_progress`
+        (a background fetch that completes inside the block is discarded and repeated after it), and
+        the time spent does not count against this peer's measured speed. Blocks may nest and come
+        from several threads."""
+        with self._lock:
+            self._paused += 1
+            self._speed.pause()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+                if self._paused == 0:
+                    self._speed.resume()
+            self._wake.set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the background thread and withdraw this peer's record (best effort, without waiting
+        more than about a second for the DHT). Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._wake.set()
+        give_up = time.monotonic() + (timeout if timeout is not None else math.inf)
+        if self._thread.is_alive():
+            self._thread.join(max(0.0, give_up - time.monotonic()) if timeout is not None else None)
+        if self._thread.ident is None:  # never started: nothing was published
+            return
+        # A withdrawal needs a later expiration than the last record to replace it in the DHT.
+        try:
+            future = self.dht.store(
+                self.training_progress_key,
+                None,
+                get_dht_time() + self.config.metadata_expiration,
+                subkey=self._own_subkey,
+                return_future=True,
+            )
+            future.result(max(0.0, min(_REMOVAL_WAIT_SECONDS, give_up - time.monotonic())))
+        except Exception as e:  # the DHT may be gone already; the record then simply expires
+            logger.debug("could not withdraw the progress record of %s: %r", self.prefix, e)
+
+    # -- the background thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                publish, fetch, wait = self._due(get_dht_time())
+                if not (publish or fetch):
+                    self._wake.wait(wait)
+                    self._wake.clear()
+                    continue
+                deadline = time.monotonic() + self.config.request_timeout
+                store_future = self._start_publish() if publish else None
+                if fetch:
+                    with contextlib.suppress(DeadlineExceededError, PeerUnreachableError, ClosedError):
+                        self._fetch(deadline=deadline, background=True)
+                if store_future is not None:
+                    self._finish_publish(store_future, deadline)
+        except Exception:  # a bug: say so, and let is_alive() tell the owner
+            logger.exception("the progress tracker of %s failed", self.prefix)
+        finally:
+            logger.log(self.config.status_loglevel, "no longer tracking progress of %s", self.prefix)
+
+    def _due(self, now: float) -> tuple[bool, bool, float]:
+        """Whether to publish and to fetch now; if neither, how long to sleep before checking again."""
+        with self._lock:
+            if self._paused:
+                return False, False, self.config.max_refresh_period
+            keepalive_at = self._last_publish_time + self.config.metadata_expiration / 2
+            publish_at = keepalive_at
+            if self._publish_pending:
+                publish_at = min(keepalive_at, self._last_publish_time + self.config.min_refresh_period)
+            fetch_at = now if self._fetch_pending else self._global.next_fetch_time
+            publish, fetch = now >= publish_at, now >= fetch_at
+            return publish, fetch, max(0.0, min(publish_at, fetch_at) - now)
+
+    def _start_publish(self) -> Any:
+        with self._lock:
+            local = self._local
+            self._publish_pending = False
+            self._last_publish_time = get_dht_time()
+        try:
+            return self.dht.store(
+                self.training_progress_key,
+                progress_value(local),
+                self._last_publish_time + self.config.metadata_expiration,
+                subkey=self._own_subkey,
+                return_future=True,
+            )
+        except Exception as e:
+            logger.debug("could not publish the progress of %s: %r", self.prefix, e)
+            return None
+
+    def _finish_publish(self, future: Any, deadline: float) -> None:
+        try:
+            if not self._wait(future, deadline):
+                logger.debug("the DHT refused the progress record of %s", self.prefix)
+        except (DeadlineExceededError, PeerUnreachableError, ClosedError) as e:
+            logger.debug("publishing the progress of %s failed: %r", self.prefix, e)
+
+    def _fetch(self, *, deadline: float, background: bool = False) -> None:
+        """Read the records and replace the cached global progress (unless paused, when the thread
+        keeps the fetch pending and repeats it after the pause)."""
+        if background:
+            with self._lock:
+                self._fetch_pending = False
+        try:
+            future = self.dht.get(self.training_progress_key, latest=True, return_future=True)
+        except Exception as e:
+            self._after_failed_fetch(background)
+            raise PeerUnreachableError(f"the DHT did not take the request: {e!r}") from e
+        try:
+            found = self._wait(future, deadline)
+        except BaseException:
+            self._after_failed_fetch(background)
+            raise
+        entries: list[tuple[Any, Any, Any]] = []
+        if found is not None and isinstance(found.value, dict):
+            entries = [(subkey, item.value, item.expiration_time) for subkey, item in found.value.items()]
+        now = get_dht_time()
+        records = parse_progress_records(entries, now=now, exclude_subkey=self._own_subkey)
+        with self._lock:
+            if background and self._paused:
+                self._fetch_pending = True
+                return
+            self._records = records
+            self._global = self._aggregate(now)
+            progress = self._global
+        logger.log(
+            self.config.status_loglevel,
+            "%s epoch %d: %d/%d samples from %d peers, ETA %.2f s",
+            self.prefix,
+            progress.epoch,
+            progress.samples_accumulated,
+            progress.target_batch_size,
+            progress.num_peers,
+            max(0.0, progress.eta_next_epoch - now),
+        )
+
+    def _after_failed_fetch(self, background: bool) -> None:
+        """After a failed background fetch, try again after the usual refresh period, not in a tight loop."""
+        if background:
+            with self._lock:
+                retry_at = get_dht_time() + self.config.default_refresh_period
+                self._global = dataclasses.replace(self._global, next_fetch_time=retry_at)
+
+    def _wait(self, future: Any, deadline: float) -> Any:
+        """The result of a DHT future, waiting until ``deadline`` (monotonic) at most and giving up
+        early if the tracker shuts down; the future is cancelled when abandoned."""
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return future.result(timeout=max(0.0, min(_POLL_SECONDS, remaining)))
+            except concurrent.futures.TimeoutError:  # TimeoutError itself from Python 3.11 on
+                if future.done():  # the DHT call itself raised TimeoutError
+                    future.cancel()
+                    raise PeerUnreachableError("the DHT request timed out inside the DHT") from None
+            except Exception as e:
+                raise PeerUnreachableError(f"the DHT request failed: {e!r}") from e
+            if self._stopping.is_set():
+                future.cancel()  # in this process only: a cancel never waits on the DHT
+                raise ClosedError("the progress tracker is shutting down")
+            if remaining <= 0:
+                future.cancel()
+                raise DeadlineExceededError(f"the DHT did not answer {self.training_progress_key!r} in time")
+
+    # -- state updates (callers hold self._lock) ---------------------------------------------------
+
+    def _set_local(self, epoch: int, samples: int, update_global_samples: bool) -> None:
+        now = get_dht_time()
+        self._local = LocalTrainingProgress(
+            self._local.peer_id, epoch, samples, self._speed.samples_per_second, now, self.client_mode
+        )
+        if update_global_samples:
+            fresh = self._aggregate(now)
+            # Only a fetch moves the next fetch later: reports come every step and would postpone it forever.
+            next_fetch_time = min(self._global.next_fetch_time, fresh.next_fetch_time)
+            self._global = dataclasses.replace(fresh, next_fetch_time=next_fetch_time)
+
+    def _aggregate(self, now: float) -> GlobalTrainingProgress:
+        config = self.config
+        return aggregate_progress(
+            self._records,
+            self._local,
+            target_batch_size=config.target_batch_size,
+            now=now,
+            min_refresh_period=config.min_refresh_period,
+            max_refresh_period=config.max_refresh_period,
+            default_refresh_period=config.default_refresh_period,
+            expected_drift_peers=config.expected_drift_peers,
+            expected_drift_rate=config.expected_drift_rate,
+        )
+
+    def _check_signing_key(self, validator: RSASignatureValidator) -> None:
+        """hivemind's DHT keeps the first RSASignatureValidator it is given and drops later ones (their
+        ``merge_with``), signing with the first one's key only. A record under a subkey with another
+        key would then go unsigned and every node would refuse it, silently: fail loudly instead."""
+        future = self.dht.run_coroutine(
+            partial(_signs_with_key, owner_subkey=validator.local_public_key), return_future=True
+        )
+        try:
+            signs = future.result(timeout=self.config.request_timeout)
+        except concurrent.futures.TimeoutError as e:
+            future.cancel()
+            raise DeadlineExceededError("the DHT did not answer while checking its signing key") from e
+        if not signs:
+            raise ConfigurationError(
+                "this DHT already signs records with another RSA key (a previous RSASignatureValidator); "
+                "pass that key as private_key, or leave both at the process-wide default"
+            )
+
+
+async def _signs_with_key(_dht: DHT, node: Any, *, owner_subkey: bytes) -> bool:
+    """Runs inside the DHT process: whether the node's validators sign a record under
+    ``owner_subkey`` with the matching private key."""
+    record_validator = node.protocol.record_validator
+    record = DHTRecord(b"signing-key-check", MSGPackSerializer.dumps(owner_subkey), MSGPackSerializer.dumps(0), 0.0)
+    signed = dataclasses.replace(record, value=record_validator.sign_value(record))
+    # validate() checks the signature against the key in the subkey, whatever the validator's own key
+    return signed.value != record.value and RSASignatureValidator().validate(signed)
+
+
+def _count(value: Any, name: str) -> int:
+    """An epoch or sample count from a caller: any integer type (numpy's too), never a bool or a float."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got a bool")
+    value = operator.index(value)
+    if not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{name} must be in [0, 2**62], got {value}")
+    return value
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+__all__ = [
+    "GlobalTrainingProgress",
+    "LocalTrainingProgress",
+    "ProgressRecordValidator",
+    "ProgressTracker",
+    "ProgressTrackerConfig",
+    "aggregate_progress",
+    "is_ready_to_update_epoch",
+    "parse_progress_records",
+    "parse_progress_value",
+]
