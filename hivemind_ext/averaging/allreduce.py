@@ -205,7 +205,7 @@ class AllreduceService:
             self._registered = False
             try:
                 await self.rpc_server.remove(HANDLER_NAME)
-            except (HivemindExtError, ConfigurationError) as e:  # the server may be shut down already
+            except (HivemindExtError, ConfigurationError, OSError) as e:  # the server or daemon may be gone
                 logger.debug(f"could not remove the all-reduce handler: {e}")
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

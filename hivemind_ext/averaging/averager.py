@@ -282,8 +282,8 @@ class DecentralizedAverager:
             if stop is not None:
                 try:
                     await stop
-                except HivemindExtError as e:
-                    logger.debug(f"error while shutting the averager down: {e}")
+                except (HivemindExtError, OSError) as e:  # OSError: the daemon is gone already
+                    logger.debug(f"error while shutting the averager down: {e!r}")
 
     def shutdown(self) -> None:
         """Stops background work; pending steps fail with an error. Idempotent."""

@@ -4,22 +4,27 @@
 - :class:`Quantile8BitQuantization`: 256 buckets between (approximate) quantiles of the values;
 - :class:`BlockwiseQuantization`: 255 evenly spaced levels per block, scaled by the block's absmax.
 
-The first two send a codebook holding the mean of the values in each bucket (which lowers the error
-below that of bucket centres) followed by one code per value. None of them can represent NaN or Inf:
-compressing them raises :class:`NonFiniteTensorError`, detected from statistics the codec computes
-anyway (the minimum and maximum, the block absmax), never with an extra pass over the data. Decoding
-a message whose codebook or scales are not finite raises :class:`CompressionError`.
+The first two send a codebook of 256 values followed by one code per value. In the quantile codec the
+codebook holds the mean of the values in each bucket; in the uniform one, the midpoint of each inner
+bucket (no pass over the data needed) and the mean of each of the two outer buckets, which absorb the
+clipped outliers. None of them can represent NaN or Inf: compressing them raises
+:class:`NonFiniteTensorError`, detected from statistics the codec computes anyway (the minimum and
+maximum, the block absmax), never with an extra pass over the data. Decoding a message whose codebook
+or scales are not finite raises :class:`CompressionError`.
 
 On CPU, large tensors are processed in tiles (see :mod:`hivemind_ext.compression.minmax`). Encoding
 and decoding wait for the device once, to check small statistics (on CUDA, each torch.bincount of the
-codebook codecs also reads its maximum back).
+quantile codec also reads its maximum back; on CPU, where waiting costs nothing, the uniform codec
+also reads back which blocks of values may fall in its outer buckets).
 """
 
 from __future__ import annotations
 
 import math
+import struct
+import sys
 from abc import abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -48,9 +53,10 @@ from hivemind_ext.compression.minmax import (
 from hivemind_ext.errors import CompressionError, ConfigurationError, NonFiniteTensorError
 
 CODEBOOK_SIZE = 256
-# (x tile, scratch of the tile's size, codes of the tile) -> None: writes the tile's codes
-TileQuantizer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 GOLDEN_RATIO_FRACTION = (math.sqrt(5) - 1) / 2
+SAMPLE_RUN = 64
+# integer types of the same width as float types: for radix sorting and for copying pairs of codebook values
+SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def non_finite_error(owner: str) -> NonFiniteTensorError:
@@ -60,21 +66,50 @@ def non_finite_error(owner: str) -> NonFiniteTensorError:
 def sample_values(x: torch.Tensor, size: int) -> torch.Tensor:
     """About ``size`` values of ``x`` at deterministic, evenly scattered positions (all of x if it is small).
 
-    Positions follow the golden-ratio sequence frac(i * 0.618...) * numel: no random state, no aliasing
-    with the rows of a flattened matrix (as a fixed stride would have), identical on every device.
+    The values come in runs of 64 consecutive ones (a cache line holds 16 float32 values: a gather of
+    scattered single values from a tensor out of cache costs as much as a pass over it). Run i starts in
+    the i-th of ``size / 64`` equal strata of x, at the offset frac(i * 0.618...) within it (the
+    golden-ratio sequence): no random state, no aliasing with the rows of a flattened matrix (as a
+    fixed stride would have), identical on every device.
     """
     if x.numel() <= size:
         return x
-    positions = torch.arange(size, dtype=torch.float64, device=x.device).mul_(GOLDEN_RATIO_FRACTION).frac_()
-    return x[positions.mul_(x.numel()).long()]
+    runs = max(size // SAMPLE_RUN, 1)
+    strata = torch.arange(runs, dtype=torch.float64, device=x.device)
+    starts = torch.mul(strata, GOLDEN_RATIO_FRACTION).frac_().add_(strata).mul_((x.numel() - SAMPLE_RUN) / runs)
+    offsets = torch.arange(SAMPLE_RUN, device=x.device)
+    return x[(starts.long().unsqueeze(1) + offsets).view(-1)]
+
+
+def sort_floats(values: torch.Tensor) -> torch.Tensor:
+    """``torch.sort(values).values`` for finite float32 / float64 values, sorted as integer keys.
+
+    On CPU torch sorts floats by comparison and integers by radix: 128K float32 values take 10 ms one
+    way and 0.6 ms the other. The key of a float is its bit pattern with the magnitude bits flipped
+    when the sign bit is set, so that integer order is float order (-0.0 just below +0.0).
+    """
+    int_dtype = SAME_WIDTH_INT[values.element_size()]
+    flip = torch.iinfo(int_dtype).max  # all bits but the sign bit
+    bits = values.view(int_dtype)
+    keys = torch.where(bits < 0, bits ^ flip, bits)
+    ordered = torch.sort(keys).values
+    return torch.where(ordered < 0, ordered ^ flip, ordered).view(values.dtype)  # the map is its own inverse
+
+
+def finfo(x: torch.Tensor) -> torch.finfo:
+    return torch.finfo(x.dtype)
+
+
+def round_to(value: float, dtype: torch.dtype) -> float:
+    """A Python float rounded to float32 (to nearest) if dtype is float32, as a kernel given it would."""
+    return struct.unpack("f", struct.pack("f", value))[0] if dtype == torch.float32 else value
 
 
 def check_finite_and_width(x: torch.Tensor, owner: str) -> tuple[torch.Tensor, bool]:
     """One host sync on the min and max of a non-empty x: raises NonFiniteTensorError if x holds NaN or
     Inf (min and max propagate them). Returns max |x| (a 0-d tensor) and whether sums over x may
     overflow x's dtype."""
-    low, high = torch.aminmax(x)
-    magnitude = torch.maximum(low.abs(), high.abs())
+    magnitude = torch.stack(torch.aminmax(x)).abs().max()
     finite, wide = torch.stack(
         [torch.isfinite(magnitude), magnitude.double() * x.numel() >= torch.finfo(x.dtype).max / 4]
     ).tolist()
@@ -90,15 +125,60 @@ def inverse_width(width: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
     return torch.maximum(width, floor).reciprocal_()
 
 
+def outer_blocks(y: torch.Tensor, codes: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The values of y in the blocks of ``block_size`` consecutive codes that hold a 0 or a 255, and
+    those of the last, shorter block if any, concatenated."""
+    full = y.numel() // block_size * block_size
+    # 255 + 1 wraps around to 0 in uint8: a block's minimum of codes + 1 is at most 1 iff it holds 0 or 255
+    flagged = torch.add(codes[:full], 1).view(-1, block_size).amin(dim=1) <= 1
+    return torch.cat([y[:full].view(-1, block_size)[flagged].view(-1), y[full:]])
+
+
+def to_codes(values: torch.Tensor, codes: torch.Tensor, scratch: torch.Tensor | None) -> None:
+    """``codes.copy_(values)`` for values in [0, 256): truncates. On CPU, through an int16 ``scratch``
+    of values' size: torch's float -> uint8 cast is not vectorized there, and the two casts take 2/5 of its time."""
+    if scratch is None:
+        codes.copy_(values)
+    else:
+        codes.copy_(scratch.copy_(values))
+
+
 def lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """``table[codes]`` for uint8 codes, with the index conversion done tile by tile on CPU."""
+    """``table[codes]`` for uint8 codes and a table of 256 values, computed tile by tile on CPU.
+
+    Values of 2 or 4 bytes are looked up two at a time: each pair of codes, read as one int16, indexes
+    a table of all 65536 pairs of values, which halves the work of the gather (the slow part on CPU).
+    """
     out = new_output(codes.numel(), table.dtype, codes.device)
-    tiles = tile_slices(codes.numel(), 1, codes.device)
-    index = torch.empty(tiles[0].stop - tiles[0].start, dtype=torch.int32, device=codes.device)
-    for tile in tiles:
-        tile_index = index[: tile.stop - tile.start].copy_(codes[tile])
-        torch.index_select(table, 0, tile_index, out=out[tile])
+    pairs = codes.numel() // 2
+    pair_dtype = SAME_WIDTH_INT.get(2 * table.element_size())
+    paired = pair_dtype is not None and sys.byteorder == "little" and pairs > 0 and codes.data_ptr() % 2 == 0
+    if paired:
+        # pair_table[a + 256 * b] = (table[a], table[b]): codes a, b at increasing addresses read as one
+        # little-endian int16 (negative for b >= 128, hence the mask), and out's values a, b as one wide int
+        items = table.view(SAME_WIDTH_INT[table.element_size()])
+        pair_table = torch.stack([items.repeat(CODEBOOK_SIZE), items.repeat_interleave(CODEBOOK_SIZE)], dim=1)
+        _gather(
+            pair_table.view(pair_dtype).view(-1),
+            codes[: 2 * pairs].view(torch.int16),
+            out[: 2 * pairs].view(pair_dtype),
+            0xFFFF,
+        )
+    if not paired or codes.numel() % 2:
+        done = 2 * pairs if paired else 0
+        _gather(table, codes[done:], out[done:], None)
     return out
+
+
+def _gather(table: torch.Tensor, index: torch.Tensor, out: torch.Tensor, mask: int | None) -> None:
+    """out[i] = table[index[i] & mask], converting the index to int32 tile by tile."""
+    tiles = tile_slices(index.numel(), 1, index.device)
+    buffer = torch.empty(tiles[0].stop - tiles[0].start, dtype=torch.int32, device=index.device)
+    for tile in tiles:
+        tile_index = buffer[: tile.stop - tile.start].copy_(index[tile])
+        if mask is not None:
+            tile_index.bitwise_and_(mask)
+        torch.index_select(table, 0, tile_index, out=out[tile])
 
 
 class _CodebookQuantization(Codec):
@@ -123,37 +203,14 @@ class _CodebookQuantization(Codec):
         payload = new_output(offset + x.numel(), torch.uint8, x.device)
         payload[:offset].zero_()  # padding included: messages never carry stale memory
         if x.numel():
-            magnitude, wide = check_finite_and_width(x, type(self).__name__)
-            codebook = self._quantize(x, payload[offset:], magnitude, wide)
+            codebook = self._quantize(x, payload[offset:])
             payload[: CODEBOOK_SIZE * stats.itemsize].view(stats).copy_(codebook)
         return payload, {}
 
-    def _quantize(self, x: torch.Tensor, codes: torch.Tensor, magnitude: torch.Tensor, wide: bool) -> torch.Tensor:
-        """Writes the codes of x tile by tile and returns the codebook: each bucket's mean, summed in
-        float64 as the tiles go (float32 sums of many similar values drift, and stall beyond 2**24)."""
-        tiles = tile_slices(x.numel(), 1, x.device)
-        tile_numel = tiles[0].stop - tiles[0].start
-        quantize_tile = self._tile_quantizer(x, magnitude, wide, tile_numel)
-        scratch = torch.empty(tile_numel, dtype=x.dtype, device=x.device)
-        weights = torch.empty(tile_numel, dtype=torch.float64, device=x.device)
-        # float64 sums of float32 values cannot overflow; those of float64 values near 1e308 can
-        weight_scale = x.numel() if wide and x.dtype == torch.float64 else 1
-        sums = torch.zeros(CODEBOOK_SIZE, dtype=torch.float64, device=x.device)
-        for tile in tiles:
-            size, tile_codes = tile.stop - tile.start, codes[tile]
-            quantize_tile(x[tile], scratch[:size], tile_codes)
-            tile_weights = weights[:size].copy_(x[tile])
-            if weight_scale != 1:
-                tile_weights.div_(weight_scale)
-            sums += torch.bincount(tile_codes, weights=tile_weights, minlength=CODEBOOK_SIZE)
-        counts = torch.bincount(codes, minlength=CODEBOOK_SIZE).clamp_min_(1)
-        return (sums / counts).mul_(weight_scale).to(x.dtype)  # unused codes decode to 0
-
     @abstractmethod
-    def _tile_quantizer(self, x: torch.Tensor, magnitude: torch.Tensor, wide: bool, tile_numel: int) -> TileQuantizer:
-        """Computes what the buckets need from the finite, non-empty 1-D ``x`` (``magnitude``: max |x|;
-        ``wide``: whether sums over x may overflow its dtype) and returns a function that writes the
-        codes of one tile of at most ``tile_numel`` values, given a scratch tensor of the tile's size."""
+    def _quantize(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Writes the codes of the non-empty 1-D ``x`` (float32 or float64) and returns the codebook [256]
+        in x's dtype; raises NonFiniteTensorError if x holds NaN or Inf."""
 
     @classmethod
     def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
@@ -166,23 +223,31 @@ class _CodebookQuantization(Codec):
 
 class Uniform8BitQuantization(_CodebookQuantization):
     """256 equal buckets spanning mean +- range_in_sigmas / 2 standard deviations; values beyond them
-    fall in the first or last bucket. Each code decodes to the mean of the values in its bucket.
+    fall in the first or last bucket. Inner buckets decode to their midpoint, the two outer ones to the
+    mean of their values (so outliers pull them outward).
 
     Payload: codebook S[256] | codes uint8[N] (S = float64 for float64 tensors, else float32).
-    The mean is taken over all values; the standard deviation is estimated from 64K evenly scattered
-    values (it only sets the bucket width, and the bucket means absorb a small misestimate).
+    The mean and the standard deviation are estimated from 16K evenly scattered values: they only place
+    the buckets, and the bound below holds whatever they are.
 
-    Error bound: with step = range_in_sigmas * std / 256, |x - x'| <= step for every value in an
-    interior bucket (codes 1..254); every value decodes to the mean of the values that share its code,
-    so |x - x'| is at most the spread of its bucket. NaN or Inf raise :class:`NonFiniteTensorError`.
+    Error bound: with step = range_in_sigmas * std / 256 (raised to at least max|x| * 2**-100), a value
+    in an inner bucket (codes 1..254, values within mean - 127.5 step .. mean + 126.5 step) decodes to
+    the bucket's midpoint, mean + (code - 128) * step: |x - x'| <= step / 2, plus float rounding (a few
+    ulps of max|x| + 256 step in float32, float64 for float64 tensors, and the rounding of x' to x's
+    dtype). A value in an outer bucket (codes 0 and 255) decodes to the mean of the values with its
+    code. Every x' lies between min(x) and max(x). NaN or Inf raise :class:`NonFiniteTensorError`.
 
-    hivemind's default range is 6 standard deviations; ours is 8 (mean +- 4 std): on normal data it
-    lowers the relative error from 1.6% to 0.9%, since clipped tails cost more than wider buckets.
+    hivemind's default range is 6 standard deviations and it decodes every bucket to its mean; ours is 8
+    (mean +- 4 std): on normal data it lowers the relative error from 1.6% to 0.9%, since clipped tails
+    cost more than wider buckets. Inner buckets are narrow enough that their midpoints do as well as
+    their means (0.91-0.93% either way on normal data), and need no pass over the values; the outer
+    buckets' means are summed, on CPU, only over the blocks of 256 values that hold outer codes.
     """
 
     codec_id = "uniform_8bit"
     RANGE_IN_SIGMAS: ClassVar[float] = 8.0
-    STD_SAMPLE_SIZE: ClassVar[int] = 1 << 16
+    SAMPLE_SIZE: ClassVar[int] = 1 << 14
+    BLOCK_SIZE: ClassVar[int] = 256  # on CPU, outer values are looked for in the blocks that hold outer codes
 
     def __init__(self, range_in_sigmas: float | None = None):
         value = self.RANGE_IN_SIGMAS if range_in_sigmas is None else range_in_sigmas
@@ -190,27 +255,62 @@ class Uniform8BitQuantization(_CodebookQuantization):
             raise ConfigurationError(f"range_in_sigmas must be a positive finite number, got {value!r}")
         self.range_in_sigmas = float(value)
 
-    def _tile_quantizer(self, x: torch.Tensor, magnitude: torch.Tensor, wide: bool, tile_numel: int) -> TileQuantizer:
-        mean = (x.double() / x.numel()).sum().to(x.dtype) if wide else x.mean()
-        scale = inverse_width(self._bucket_width(x, mean), magnitude)
-        # bucket k (k = 1..254) holds (x - mean) / step in [k - 128.5, k - 127.5): its code is
-        # trunc(x * scale + bias) with bias = 128.5 - mean * scale, clamped (the cast to uint8 truncates)
-        bias = CODEBOOK_SIZE / 2 + 0.5 - mean * scale
+    def _quantize(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        low, high, mean, std = self._statistics(x)
+        # bucket k (k = 1..254) holds y = x * scale + bias in [k, k + 1), with bias = 128.5 - mean * scale:
+        # its code is trunc(y) clamped to [0, 255] (the cast to uint8 truncates). Both are rounded to x's
+        # dtype here, as the kernels would, so that the midpoints below are those of the buckets applied.
+        width = min(max(std * self.range_in_sigmas / CODEBOOK_SIZE, max(-low, high) * 2.0**-100), finfo(x).max)
+        scale = round_to(1 / max(width, finfo(x).tiny), x.dtype)  # x * scale cannot overflow: <= 2**100
+        bias = round_to(CODEBOOK_SIZE / 2 + 0.5 - mean * scale, x.dtype)
+        # outer buckets: y < 1 (code 0) and y >= 255, i.e. y > top, the float just below 255 (code 255)
+        top = CODEBOOK_SIZE - 1 - (CODEBOOK_SIZE // 2) * finfo(x).eps
+        on_cpu = x.device.type == "cpu"
+        tiles = tile_slices(x.numel(), self.BLOCK_SIZE, x.device)
+        y_tile, clamped_tile = torch.empty(2, tiles[0].stop - tiles[0].start, dtype=x.dtype, device=x.device)
+        narrow = torch.empty_like(y_tile, dtype=torch.int16) if on_cpu else None
+        bias_tensor = torch.tensor(bias, dtype=x.dtype, device=x.device)
+        sums, counts = [], []  # per tile: [sum of y - 1 over code 0, of y - top over code 255], their counts
+        for tile in tiles:
+            size, tile_codes = tile.stop - tile.start, codes[tile]
+            y = torch.add(bias_tensor, x[tile], alpha=scale, out=y_tile[:size])  # one pass, not a mul and an add
+            clamped = torch.clamp(y, 0, CODEBOOK_SIZE - 0.5, out=clamped_tile[:size])
+            to_codes(clamped, tile_codes, None if narrow is None else narrow[:size])
+            # the few outer values: on CPU, those of the blocks holding code 0 or 255 (a host sync, free there)
+            outer = outer_blocks(y, tile_codes, self.BLOCK_SIZE) if on_cpu else y
+            # float32 sums suffice: only the outer values are nonzero, all of one sign
+            below, above = torch.clamp(outer, max=1).sub_(1), torch.clamp(outer, min=top).sub_(top)
+            sums.append(torch.stack([below.sum(), above.sum()]).double())
+            counts.append(torch.stack([torch.count_nonzero(below), torch.count_nonzero(above)]))
+        # every entry as the y of its bucket's midpoint (or mean) mapped back, x = (y - bias) / scale, and
+        # clamped to [min x, max x], which holds every value of every bucket: never a larger error, and
+        # never an overflow to Inf (the midpoint of an empty bucket of float64 values near the limit)
+        codebook = [min(max((k + 0.5 - bias) / scale, low), high) for k in range(CODEBOOK_SIZE)]
+        codebook = torch.tensor(codebook, dtype=torch.float64, device=x.device)
+        outer_means = sum(sums) / sum(counts).clamp_min(1)  # an empty bucket gets its inner border: unused
+        offsets = torch.tensor([1 - bias, top - bias], dtype=torch.float64, device=x.device)
+        codebook[[0, -1]] = outer_means.add_(offsets).div_(scale).clamp_(low, high)
+        return codebook.to(x.dtype)
 
-        def quantize_tile(x_tile: torch.Tensor, scratch: torch.Tensor, codes: torch.Tensor) -> None:
-            codes.copy_(torch.mul(x_tile, scale, out=scratch).add_(bias).clamp_(0, CODEBOOK_SIZE - 0.5))
-
-        return quantize_tile
-
-    def _bucket_width(self, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-        """range_in_sigmas * std / 256 as a 0-d tensor of x's dtype, without a host sync."""
-        # the spread in float64, scaled by the largest deviation so that squares cannot overflow
-        deviations = sample_values(x, self.STD_SAMPLE_SIZE).double() - mean.double()
-        largest = deviations.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
-        std = deviations.div_(largest).square_().mean().sqrt_().mul_(largest)
-        step = (std * (self.range_in_sigmas / CODEBOOK_SIZE)).to(x.dtype)
-        # float64 values near 1e308 of both signs may overflow the deviations: then one wide bucket
-        return torch.nan_to_num(step, nan=torch.finfo(x.dtype).max)
+    def _statistics(self, x: torch.Tensor) -> tuple[float, float, float, float]:
+        """(min, max, mean, std) of a non-empty x, with one host sync; raises NonFiniteTensorError if x
+        holds NaN or Inf (min and max propagate them). The mean and std are those of 16K evenly
+        scattered values: they only place the buckets."""
+        low_high = torch.stack(torch.aminmax(x)).double()
+        # moments of the sample scaled by max |x| (squares of float64 values near 1e308 would overflow)
+        # and shifted by its first value (float64 sums of squares of values far from 0 would lose the spread)
+        sample = sample_values(x, self.SAMPLE_SIZE).double() / low_high.abs().max()  # never x itself
+        deviations = sample - sample[0]
+        moments = torch.stack([sample[0], deviations.sum(), deviations.dot(deviations)])
+        low, high, first, total, squares = torch.cat([low_high, moments]).tolist()
+        if not math.isfinite(low) or not math.isfinite(high):
+            raise non_finite_error(type(self).__name__)
+        magnitude = max(-low, high)
+        if magnitude == 0:
+            return low, high, 0.0, 0.0
+        size = sample.numel()
+        variance = max(squares / size - (total / size) ** 2, 0.0)
+        return low, high, (first + total / size) * magnitude, math.sqrt(variance) * magnitude
 
     def nominal_params(self, info: CompressionInfo) -> dict[str, Any]:
         return {}
@@ -225,6 +325,8 @@ class Quantile8BitQuantization(_CodebookQuantization):
     To find each value's bucket fast on any device, the 255 borders are snapped to a uniform grid of
     65536 fine bins between the outermost borders, and a 64 KB table maps fine bins to buckets: a
     border moves by at most one fine bin, a small change next to the sampling error of the quantiles.
+    (hivemind computes exact quantiles of chunks of 100K values and takes quantiles of those; its
+    relative error on normal data is 2.6%, ours 2.1%.)
 
     Error bound: every value decodes to the mean of the values that share its code, so |x - x'| is at
     most the spread of its bucket; buckets are intervals, so codes are monotone in x. NaN or Inf raise
@@ -235,21 +337,35 @@ class Quantile8BitQuantization(_CodebookQuantization):
     QUANTILE_SAMPLE_SIZE: ClassVar[int] = 1 << 17
     FINE_BINS: ClassVar[int] = 1 << 16
 
-    def _tile_quantizer(self, x: torch.Tensor, magnitude: torch.Tensor, wide: bool, tile_numel: int) -> TileQuantizer:
+    def _quantize(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Writes the codes of x tile by tile and returns the codebook: each bucket's mean, summed in
+        float64 as the tiles go (float32 sums of many similar values drift, and stall beyond 2**24)."""
+        magnitude, wide = check_finite_and_width(x, type(self).__name__)
         scale, bias, table = self._fine_grid(x, magnitude)
+        tiles = tile_slices(x.numel(), 1, x.device)
+        tile_numel = tiles[0].stop - tiles[0].start
+        scratch = torch.empty(tile_numel, dtype=x.dtype, device=x.device)
         index = torch.empty(tile_numel, dtype=torch.int32, device=x.device)
-
-        def quantize_tile(x_tile: torch.Tensor, scratch: torch.Tensor, codes: torch.Tensor) -> None:
-            fine = torch.mul(x_tile, scale, out=scratch).add_(bias).clamp_(0, self.FINE_BINS - 1)
-            torch.index_select(table, 0, index[: x_tile.numel()].copy_(fine), out=codes)  # copy_ truncates
-
-        return quantize_tile
+        weights = torch.empty(tile_numel, dtype=torch.float64, device=x.device)
+        # float64 sums of float32 values cannot overflow; those of float64 values near 1e308 can
+        weight_scale = x.numel() if wide and x.dtype == torch.float64 else 1
+        sums = torch.zeros(CODEBOOK_SIZE, dtype=torch.float64, device=x.device)
+        for tile in tiles:
+            size, tile_codes = tile.stop - tile.start, codes[tile]
+            fine = torch.mul(x[tile], scale, out=scratch[:size]).add_(bias).clamp_(0, self.FINE_BINS - 1)
+            torch.index_select(table, 0, index[:size].copy_(fine), out=tile_codes)  # copy_ truncates
+            tile_weights = weights[:size].copy_(x[tile])
+            if weight_scale != 1:
+                tile_weights.div_(weight_scale)
+            sums += torch.bincount(tile_codes, weights=tile_weights, minlength=CODEBOOK_SIZE)
+        counts = torch.bincount(codes, minlength=CODEBOOK_SIZE).clamp_min_(1)
+        return (sums / counts).mul_(weight_scale).to(x.dtype)  # unused codes decode to 0
 
     def _fine_grid(self, x: torch.Tensor, magnitude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scale, bias, table): value v falls in fine bin trunc(v * scale + bias), clamped to
         [0, FINE_BINS - 1], and table[bin] (uint8) is the bucket of the bin's centre. The grid spans the
         outermost borders with one more bin beyond each."""
-        sample = torch.sort(sample_values(x, self.QUANTILE_SAMPLE_SIZE)).values
+        sample = sort_floats(sample_values(x, self.QUANTILE_SAMPLE_SIZE))
         # quantiles (j - 1/2) / 255 for j = 1..255: inner buckets hold 1/255 of the values, the outer two
         # (unbounded, so costlier per value) half as much; on normal data the error drops by a fifth
         levels = torch.arange(CODEBOOK_SIZE - 1, dtype=torch.float64, device=x.device).add_(0.5)

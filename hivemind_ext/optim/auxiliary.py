@@ -11,7 +11,10 @@ Used by ``Optimizer(auxiliary=True)`` and by the command ``hivemind-ext aux``.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hivemind import DHT
@@ -101,34 +104,52 @@ def run_auxiliary_peer(
     averager_opts: dict[str, Any] | None = None,
     tracker_opts: dict[str, Any] | None = None,
     max_rounds: int | None = None,
+    stop: threading.Event | None = None,
+    status_interval: float = 60.0,
+    on_status: Callable[[str], None] | None = None,
 ) -> int:
-    """Runs an auxiliary peer until interrupted (or ``max_rounds`` rounds joined); returns the rounds joined."""
+    """Runs an auxiliary peer until ``stop`` is set (or ``max_rounds`` rounds joined); returns the rounds joined.
+
+    A status line (epoch, samples toward the target, peers, rounds helped) goes to ``on_status`` (default:
+    this module's logger at INFO) when the swarm's epoch changes, and at least every ``status_interval`` s.
+    """
     from hivemind_ext.optim.optimizer import grad_prefix, progress_prefix
 
+    stop = stop if stop is not None else threading.Event()
+    report = on_status if on_status is not None else logger.info
     tracker = ProgressTracker(dht, progress_prefix(run_id), target_batch_size, start=True, **(tracker_opts or {}))
-    averager = DecentralizedAverager(
-        [],
-        dht,
-        start=True,
-        prefix=grad_prefix(run_id),
-        auxiliary=True,
-        min_matchmaking_time=matchmaking_time,
-        allreduce_timeout=averaging_timeout,
-        **(averager_opts or {}),
-    )
-    peer = AuxiliaryPeer(
-        averager=averager, tracker=tracker, matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout
-    )
+    averager: DecentralizedAverager | None = None
+    peer: AuxiliaryPeer | None = None
     try:
-        while max_rounds is None or peer.rounds_joined < max_rounds:
+        averager = DecentralizedAverager(
+            [],
+            dht,
+            start=True,
+            prefix=grad_prefix(run_id),
+            auxiliary=True,
+            min_matchmaking_time=matchmaking_time,
+            allreduce_timeout=averaging_timeout,
+            **(averager_opts or {}),
+        )
+        peer = AuxiliaryPeer(
+            averager=averager, tracker=tracker, matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout
+        )
+        reported: tuple[int, int] | None = None  # (epoch, rounds helped) of the last status line
+        last_report = -math.inf
+        while not stop.is_set() and (max_rounds is None or peer.rounds_joined < max_rounds):
             peer.step()
             progress = tracker.global_progress
-            logger.info(
-                f"epoch {progress.epoch}: {progress.samples_accumulated}/{target_batch_size} samples, "
-                f"{progress.num_peers} peers, {peer.rounds_joined} rounds helped"
-            )
+            now = time.monotonic()
+            if reported != (progress.epoch, peer.rounds_joined) or now - last_report >= status_interval:
+                report(
+                    f"epoch {progress.epoch}: {progress.samples_accumulated}/{target_batch_size} samples, "
+                    f"{progress.num_peers} peers, {peer.rounds_joined} rounds helped"
+                )
+                reported, last_report = (progress.epoch, peer.rounds_joined), now
+        return peer.rounds_joined
     finally:
-        peer.shutdown()
-        averager.shutdown()
+        if peer is not None:
+            peer.shutdown()
+        if averager is not None:
+            averager.shutdown()
         tracker.shutdown()
-    return peer.rounds_joined

@@ -38,8 +38,10 @@ class GradScaler(torch.amp.GradScaler):
         return super().step(optimizer, *args, **kwargs)
 
     def unscale_(self, optimizer: Any) -> None:
-        if self._deferred and _is_ours(optimizer):
-            return  # the scaled sum in .grad is unscaled once, at the end of the epoch
+        if _is_ours(optimizer) and (self._deferred or optimizer.reuse_grad_buffers):
+            # the scaled sum in .grad is unscaled once, at the end of the epoch (also on the epoch's
+            # first micro-step, before opt.step() has marked this scaler deferred)
+            return
         super().unscale_(optimizer)
 
     def update(self, new_scale: Any = None) -> None:

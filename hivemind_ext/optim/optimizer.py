@@ -30,7 +30,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from hivemind_ext.averaging.control import StepControl
+from hivemind_ext.averaging.control import AveragingStage, StepControl
 from hivemind_ext.errors import (
     AllreduceError,
     ConfigurationError,
@@ -39,7 +39,13 @@ from hivemind_ext.errors import (
     MatchmakingError,
     StateLoadError,
 )
-from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, GradientAllReduce, next_model_key
+from hivemind_ext.optim.algorithms.base import (
+    Algorithm,
+    AlgorithmContext,
+    AlgorithmImpl,
+    GradientAllReduce,
+    next_model_key,
+)
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
 from hivemind_ext.optim.auxiliary import AuxiliaryPeer
 from hivemind_ext.optim.background import BackgroundWorker
@@ -53,6 +59,7 @@ from hivemind_ext.optim.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
 
+HURRY_MARGIN = 0.25  # seconds: a pre-scheduled search this far from ready is restarted when the epoch ends
 ROUND_FAILURES = (MatchmakingError, AllreduceError, DeadlineExceededError)
 
 
@@ -127,6 +134,8 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(dht, DHT):
             raise ConfigurationError(f"dht must be a running hivemind.DHT, got {type(dht).__name__}")
         params = list(params) if params is not None else None
+        if offload_optimizer is None and algorithm is not None and not isinstance(algorithm, GradientAllReduce):
+            offload_optimizer = False  # algorithms step the model's own parameters
         self.config = config = OptimizerConfig.resolve(
             dht_client_mode=bool(dht.client_mode),
             optimizer_from_factory=params is not None,
@@ -373,8 +382,8 @@ class Optimizer(torch.optim.Optimizer):
         epoch = state_dict.pop("local_epoch", None)
         with self._state_lock:
             self.state_manager.optimizer.load_state_dict(state_dict)
-            if epoch is not None:
-                self.state_manager.set_epoch(int(epoch))
+            if epoch is not None:  # the loaded param groups hold that epoch's lr already: do not re-step
+                self.state_manager.adopt_epoch(int(epoch))
         if epoch is not None:
             self.tracker.update_epoch(int(epoch))
 
@@ -485,43 +494,72 @@ class Optimizer(torch.optim.Optimizer):
 
     def _end_epoch(self, grad_scaler: GradScaler | None) -> None:
         started = time.perf_counter()
-        config = self.config
-        with self.tracker.pause_updates():
-            if self.grad_averager is not None:
-                self._wait_background()  # the buffers and the optimizer must be free
-                control, self._scheduled_grads = self._scheduled_grads, None
-                if control is not None and control.done() and not control.triggered:
-                    control = None  # matchmaking failed or expired before the epoch ended
-                found_inf = (
-                    grad_scaler is not None and config.reuse_grad_buffers and grad_scaler.unscale_and_check(self)
-                )
-                if found_inf:
-                    logger.log(self.status_loglevel, "this epoch's gradients overflowed: contributing nothing")
-                    self.grad_averager.reset_accumulated_grads_()
-                if self._alone(control):
-                    self._step_alone(control, found_inf=found_inf)
-                elif config.delay_grad_averaging:
-                    control = self._begin_gradient_round(control, zero_weight=found_inf)
-                    self._background.submit(lambda: self._finish_gradient_round(control, apply=not found_inf))
-                else:
-                    control = self._begin_gradient_round(control, zero_weight=found_inf)
-                    averaged = self._wait_gradient_round(control)
-                    if config.delay_optimizer_step:
-                        self._background.submit(lambda: self._apply_averaged_gradients(publish=False))
-                    elif averaged or not found_inf:
-                        self._apply_averaged_gradients(publish=True)
-            next_epoch = max(self.local_epoch + 1, self.tracker.global_progress.epoch)
-            with self._state_lock:
-                self.state_manager.set_epoch(next_epoch)
-            self._maybe_average_state(next_epoch)
-            self.tracker.update_epoch(next_epoch)
-            self.state_averager.state_sharing_priority = next_epoch
+        # no pause_updates() here: the tracker keeps publishing, so peers see this epoch's final count
+        if self.grad_averager is not None:
+            self._wait_background()  # the buffers and the optimizer must be free
+            control, self._scheduled_grads = self._scheduled_grads, None
+            if control is not None and control.done() and not control.triggered:
+                control = None  # matchmaking failed or expired before the epoch ended
+            if self._swarm_averaged_without_us(control):
+                self._skip_round(control)
+            else:
+                self._average_and_step(control, grad_scaler)
+        next_epoch = max(self.local_epoch + 1, self.tracker.global_progress.epoch)
+        with self._state_lock:
+            self.state_manager.set_epoch(next_epoch)
+        self._maybe_average_state(next_epoch)
+        self.tracker.update_epoch(next_epoch)
+        self.state_averager.state_sharing_priority = next_epoch
         self.blocked_seconds += time.perf_counter() - started
+
+    def _average_and_step(self, control: StepControl | None, grad_scaler: GradScaler | None) -> None:
+        """This epoch's gradient round (or a solo step), then the optimizer step, now or in the background."""
+        assert self.grad_averager is not None
+        config = self.config
+        found_inf = grad_scaler is not None and config.reuse_grad_buffers and grad_scaler.unscale_and_check(self)
+        if found_inf:
+            logger.log(self.status_loglevel, "this epoch's gradients overflowed: contributing nothing")
+            self.grad_averager.reset_accumulated_grads_()
+        if self._alone(control):
+            self._step_alone(control, found_inf=found_inf)
+        elif config.delay_grad_averaging:
+            control = self._begin_gradient_round(control, zero_weight=found_inf)
+            self._background.submit(lambda: self._finish_gradient_round(control, apply=not found_inf))
+        else:
+            control = self._begin_gradient_round(control, zero_weight=found_inf)
+            averaged = self._wait_gradient_round(control)
+            if config.delay_optimizer_step:
+                self._background.submit(lambda: self._apply_averaged_gradients(publish=False))
+            elif averaged or not found_inf:
+                self._apply_averaged_gradients(publish=True)
+
+    def _swarm_averaged_without_us(self, control: StepControl | None) -> bool:
+        """Another peer already finished this epoch's round and this one never found its group: a new
+        search could only wait out ``averaging_timeout``."""
+        if self.tracker.global_progress.epoch <= self.local_epoch:
+            return False
+        return control is None or control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+
+    def _skip_round(self, control: StepControl | None) -> None:
+        assert self.grad_averager is not None
+        logger.warning(
+            f"the swarm averaged epoch {self.local_epoch} without this peer (it was late): "
+            "dropping its gradients and downloading the state from peers"
+        )
+        if control is not None and not control.done():
+            control.cancel()
+        self.grad_averager.reset_accumulated_grads_()
+        self._resync = True
 
     def _alone(self, control: StepControl | None) -> bool:
         """No other peer reports progress and none started this round: a round could only time out."""
-        groupmate = control is not None and control.groupmate_started
-        return self.tracker.global_progress.num_peers <= 1 and not groupmate
+        if (control is not None and control.groupmate_started) or self.tracker.global_progress.num_peers > 1:
+            return False
+        try:  # the tracker's view may be a refresh period old (peers that just joined): confirm it
+            return self.tracker.fetch_now().num_peers <= 1
+        except HivemindExtError as e:
+            logger.debug(f"could not refresh the swarm's progress ({e!r}): taking this peer as alone")
+            return True
 
     def _step_alone(self, control: StepControl | None, *, found_inf: bool) -> None:
         """A solo peer steps on its own mean gradient at once, as hivemind does, instead of waiting
@@ -545,9 +583,19 @@ class Optimizer(torch.optim.Optimizer):
     def _begin_gradient_round(self, control: StepControl | None, *, zero_weight: bool) -> StepControl:
         assert self.grad_averager is not None
         samples = self.grad_averager.local_samples_accumulated
-        if control is None:
+        now = get_dht_time()
+        if (
+            control is not None
+            and control.stage == AveragingStage.LOOKING_FOR_GROUP
+            and control.scheduled_time > now + HURRY_MARGIN
+        ):
+            # the epoch ended before the estimate: look again, ready now, so the group forms with the peers
+            # already looking instead of at the estimated time (while they keep accumulating samples)
+            control.cancel()
+            control = self.grad_averager.schedule_step(scheduled_time=now, timeout=self.config.averaging_timeout)
+        elif control is None:
             control = self.grad_averager.schedule_step(
-                scheduled_time=get_dht_time() + self.config.matchmaking_time, timeout=self.config.averaging_timeout
+                scheduled_time=now + self.config.matchmaking_time, timeout=self.config.averaging_timeout
             )
         with contextlib.suppress(RuntimeError):  # too late to change the weight: the round has begun
             control.weight = 0.0 if zero_weight else float(samples)
@@ -595,6 +643,12 @@ class Optimizer(torch.optim.Optimizer):
     def _custom_algorithm(self) -> bool:
         return self.algorithm is not None and not isinstance(self.algorithm, GradientAllReduce)
 
+    @property
+    def algorithm_impl(self) -> AlgorithmImpl | None:
+        """The implementation of a custom ``algorithm`` bound to this optimizer (its counters, and
+        controls such as AsyncModelAverage's ``abort()`` / ``resume()``); None on the standard path."""
+        return self._runner.impl if self._runner is not None else None
+
     def swarm_epoch_is_over(self) -> bool:
         """Whether the swarm has accumulated ``target_batch_size`` samples in this peer's epoch."""
         return self.tracker.ready_to_update_epoch
@@ -620,6 +674,9 @@ class Optimizer(torch.optim.Optimizer):
             return
         if self.state_averager.round_in_progress:
             return
+        # a round that finished after this step's start has not been applied yet: begin_round would
+        # replace it, and its average would be lost (peers with local updates would drift apart)
+        self.state_averager.apply_round(wait=0.0)
         self.state_averager.begin_round(
             timeout=config.averaging_timeout + config.matchmaking_time,
             scheduled_time=get_dht_time() + config.matchmaking_time,
@@ -681,6 +738,8 @@ class Optimizer(torch.optim.Optimizer):
             metadata, tensors = loaded
             with self._state_lock:
                 self.state_manager.load(metadata, tensors)
+                if self._runner is not None:
+                    self._runner.impl.on_state_loaded()
         except StateLoadError as e:
             logger.warning(f"could not load the state from peers: {e}; keeping the local state")
             return

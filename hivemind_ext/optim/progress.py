@@ -29,6 +29,7 @@ import operator
 import re
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -391,7 +392,9 @@ class ProgressTracker:
         self.client_mode = dht.client_mode if client_mode is None else client_mode
         self.training_progress_key = self.config.training_progress_key
 
-        signature_validator = RSASignatureValidator(private_key)
+        signature_validator = RSASignatureValidator(
+            private_key if private_key is not None else default_signing_key(dht)
+        )
         self._own_subkey = signature_validator.local_public_key
         dht.add_validators([signature_validator, ProgressRecordValidator(self.training_progress_key)])
         self._check_signing_key(signature_validator)
@@ -707,6 +710,21 @@ class ProgressTracker:
                 "this DHT already signs records with another RSA key (a previous RSASignatureValidator); "
                 "pass that key as private_key, or leave both at the process-wide default"
             )
+
+
+_SIGNING_KEYS: weakref.WeakKeyDictionary[DHT, RSAPrivateKey] = weakref.WeakKeyDictionary()
+_SIGNING_KEYS_LOCK = threading.Lock()
+
+
+def default_signing_key(dht: DHT) -> RSAPrivateKey:
+    """The key that signs this DHT's progress records when ``private_key`` is not given: the first DHT
+    of a process uses the process-wide key (what hivemind's own components on that DHT use); every
+    other DHT of the process gets a key of its own, so that several peers in one process (tests, local
+    swarms in threads) do not share one record subkey and overwrite each other's progress."""
+    with _SIGNING_KEYS_LOCK:
+        if dht not in _SIGNING_KEYS:
+            _SIGNING_KEYS[dht] = RSAPrivateKey.process_wide() if not _SIGNING_KEYS else RSAPrivateKey()
+        return _SIGNING_KEYS[dht]
 
 
 async def _signs_with_key(_dht: DHT, node: Any, *, owner_subkey: bytes) -> bool:

@@ -114,6 +114,18 @@ class TrainingState:
             while getattr(self.scheduler, "last_epoch", self.epoch) < self.epoch:
                 self.scheduler.step()
 
+    def adopt_epoch(self, epoch: int) -> None:
+        """Moves to ``epoch`` after loading an optimizer state whose param groups already hold that
+        epoch's learning rates (a peer's snapshot, a checkpoint): the scheduler's counter jumps to the
+        epoch without stepping, since stepping a chainable scheduler (StepLR, ExponentialLR, ...) would
+        apply the schedule a second time on top of the loaded learning rate."""
+        self.epoch = max(int(epoch), 0)
+        if self.scheduler is None or not hasattr(self.scheduler, "last_epoch"):
+            return
+        self.scheduler.last_epoch = self.epoch
+        if hasattr(self.scheduler, "_last_lr"):
+            self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
     # ----- what is averaged
 
     def ensure_statistics(self) -> None:
@@ -187,7 +199,7 @@ class TrainingState:
                 target.copy_(value)
         self.copy_to_model()
         self.functional = FunctionalOptimizer(self.optimizer)
-        self.set_epoch(metadata["epoch"])
+        self.adopt_epoch(metadata["epoch"])
 
     def _check_snapshot(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
         if not isinstance(metadata, dict) or metadata.get("format") != STATE_FORMAT:
@@ -213,6 +225,9 @@ class TrainingState:
                 )
             if not torch.isfinite(theirs).all():
                 raise StateLoadError(f"downloaded tensor {index} holds NaN or Inf")
+        for index, tensor in enumerate(tensors[len(expected) :], start=len(expected)):
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise StateLoadError(f"downloaded optimizer state tensor {index} holds NaN or Inf")
         if not isinstance(metadata.get("state"), list) or not isinstance(metadata.get("param_groups"), list):
             raise StateLoadError("the downloaded optimizer state is malformed")
 

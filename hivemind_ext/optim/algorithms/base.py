@@ -248,6 +248,15 @@ class AlgorithmImpl:
     def shutdown(self) -> None:
         """Stops what the implementation started (threads, services)."""
 
+    def on_average_result(self, succeeded: bool, report: Any = None) -> None:
+        """Called by the runner after each all-reduce round of the operations: whether it succeeded
+        (a failed round leaves the buckets' local values in place) and, if it did, the averager's
+        :class:`~hivemind_ext.averaging.averager.RoundReport` (group size, contributors, ...)."""
+
+    def on_state_loaded(self) -> None:
+        """Called by the Optimizer after it applied a training state downloaded from peers (late
+        join or catch-up): the parameters, optimizer state and extra tensors have just changed."""
+
     # ----- helpers for subclasses
 
     def load_mean_gradients(self, bucket: Bucket) -> None:

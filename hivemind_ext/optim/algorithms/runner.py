@@ -98,6 +98,7 @@ class AlgorithmRunner:
         except (MatchmakingError, AllreduceError, DeadlineExceededError) as e:
             self.failed_rounds += 1
             logger.warning(f"averaging failed ({e}): proceeding with local values")
+            self.impl.on_average_result(False, None)
             return
         self.rounds += 1
         if averager.last_round is not None:
@@ -105,6 +106,7 @@ class AlgorithmRunner:
         with averager.get_tensors():
             for bucket in buckets:
                 bucket.unpack()
+        self.impl.on_average_result(True, averager.last_round)
 
     def _averager(self, position: int, buckets: list[Bucket]) -> DecentralizedAverager:
         key = (self.stage, position)
@@ -138,7 +140,10 @@ class AlgorithmRunner:
 
     def _close_averagers(self) -> None:
         for averager in self._averagers.values():
-            averager.shutdown()
+            try:
+                averager.shutdown()
+            except Exception as e:  # e.g. the DHT's daemon is already gone: the others must still close
+                logger.debug(f"error while shutting down an algorithm's averager: {e!r}")
         self._averagers.clear()
 
     def shutdown(self) -> None:

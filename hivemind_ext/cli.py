@@ -1,0 +1,200 @@
+"""The ``hivemind-ext`` command.
+
+``hivemind-ext aux`` runs an auxiliary peer: a CPU-only helper with no model and no data that joins a
+run's gradient averaging rounds, reduces its share of the all-reduce and contributes nothing (weight 0).
+It stops cleanly on Ctrl-C (SIGINT) or SIGTERM, or after ``--max-rounds`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_HOST_MADDRS = ["/ip4/0.0.0.0/tcp/0"]
+EXIT_OK, EXIT_ERROR = 0, 1
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hivemind-ext",
+        description="Tools for hivemind_ext collaborative training runs.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    aux = commands.add_parser(
+        "aux",
+        help="run an auxiliary peer that helps a run average gradients",
+        description=(
+            "Run an auxiliary peer for one training run: a CPU-only helper with no model and no data. It "
+            "follows the run's progress in the DHT, joins every gradient averaging round, reduces its share "
+            "of the all-reduce and contributes no gradients (weight 0). It must accept incoming connections "
+            "(no client mode). Stop it with Ctrl-C or SIGTERM."
+        ),
+        epilog=(
+            "example: hivemind-ext aux --initial-peers /ip4/10.0.0.1/tcp/31337/p2p/Qm... "
+            "--run-id my_run --target-batch-size 4096"
+        ),
+    )
+    aux.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="multiaddrs of running peers of the swarm to bootstrap the DHT from",
+    )
+    aux.add_argument("--run-id", required=True, help="the run_id the trainers pass to hivemind_ext.Optimizer")
+    aux.add_argument(
+        "--target-batch-size",
+        required=True,
+        type=_positive_int,
+        metavar="N",
+        help="the trainers' target_batch_size (samples the swarm processes per epoch)",
+    )
+    aux.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=DEFAULT_HOST_MADDRS,
+        metavar="MADDR",
+        help="multiaddrs to listen on (default: %(default)s)",
+    )
+    aux.add_argument(
+        "--announce-maddrs", nargs="+", default=None, metavar="MADDR", help="multiaddrs to announce to other peers"
+    )
+    aux.add_argument(
+        "--matchmaking-time",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="seconds to look for a group before a round (default: %(default)s; match the trainers')",
+    )
+    aux.add_argument(
+        "--averaging-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
+        help="give up on a round after this many seconds (default: %(default)s)",
+    )
+    aux.add_argument(
+        "--max-rounds",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="exit after helping with K rounds (default: run until stopped)",
+    )
+    aux.add_argument(
+        "--identity-path",
+        default=None,
+        metavar="PATH",
+        help="file with this peer's private key, for a stable peer id (created if missing)",
+    )
+    aux.add_argument(
+        "--status-interval",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
+        help="print a status line at least this often, and whenever the epoch changes (default: %(default)s)",
+    )
+    aux.add_argument("--verbose", action="store_true", help="log the details of every round")
+    return parser
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _configure_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("hivemind_ext")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
+    """Makes SIGINT and SIGTERM set ``stop`` (the main loop then shuts everything down); returns the old handlers."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():  # a second Ctrl-C: give up on the clean shutdown
+            raise KeyboardInterrupt
+        _print(f"received {signal.Signals(signum).name}: shutting down")
+        stop.set()
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, handler)
+    return previous
+
+
+def run_aux(args: argparse.Namespace) -> int:
+    import hivemind
+
+    from hivemind_ext.optim.auxiliary import run_auxiliary_peer
+
+    stop = threading.Event()
+    previous = _stop_on_signals(stop) if threading.current_thread() is threading.main_thread() else {}
+    dht_kwargs: dict[str, Any] = {"host_maddrs": args.host_maddrs}
+    if args.announce_maddrs:
+        dht_kwargs["announce_maddrs"] = args.announce_maddrs
+    if args.identity_path:
+        dht_kwargs["identity_path"] = args.identity_path
+    dht = None
+    try:
+        dht = hivemind.DHT(initial_peers=args.initial_peers, start=True, **dht_kwargs)
+        _print("auxiliary peer is listening on:")
+        for maddr in dht.get_visible_maddrs():
+            _print(f"  {maddr}")
+        _print(f"helping run {args.run_id!r} (target batch size {args.target_batch_size})")
+        rounds = run_auxiliary_peer(
+            dht,
+            run_id=args.run_id,
+            target_batch_size=args.target_batch_size,
+            matchmaking_time=args.matchmaking_time,
+            averaging_timeout=args.averaging_timeout,
+            max_rounds=args.max_rounds,
+            stop=stop,
+            status_interval=args.status_interval,
+            on_status=_print,
+        )
+        _print(f"helped with {rounds} averaging rounds; exiting")
+        return EXIT_OK
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    if args.command == "aux":
+        try:
+            return run_aux(args)
+        except KeyboardInterrupt:
+            return 130
+        except Exception as e:
+            _print(f"hivemind-ext aux failed: {type(e).__name__}: {e}")
+            return EXIT_ERROR
+    raise AssertionError(f"unknown command {args.command!r}")  # argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Asynchronous model averaging (Bagua's AsyncModelAverage): local steps in the training loop, model
+averaging with peers in a background thread, neither waiting for the other.
+
+The computation side: every ``step()`` applies the wrapped torch optimizer to the local gradients.
+The communication side: a thread owned by the implementation averages the parameters with whichever
+peers are averaging too, every ``sync_interval_seconds``. Both hold the Optimizer's ``state_lock``
+while they touch the parameters, but the communication thread holds it only to take a snapshot and
+to apply the result, never during the network round, so training goes on meanwhile. The progress made
+during a round is kept::
+
+    snapshot = x                              # under the lock, at the start of the round
+    avg      = weighted mean over peers of their snapshots (network, no lock)
+    x       += avg - snapshot                 # under the lock: the steps taken meanwhile stay
+
+``abort()`` stops the communication thread (e.g. before evaluation), ``resume()`` starts it again;
+``shutdown()`` stops it with bounded waits. Every peer weighs 1 (a plain model average, as in Bagua).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+
+from hivemind_ext.averaging.averager import DecentralizedAverager
+from hivemind_ext.averaging.control import StepControl
+from hivemind_ext.errors import ConfigurationError, HivemindExtError
+from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, NamedTensor
+
+logger = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.05  # how often a waiting communication thread checks that it should stop
+
+
+class AsyncModelAverage(Algorithm):
+    """Local optimizer steps plus background model averaging.
+
+    :param sync_interval_seconds: pause between the end of one averaging round and the start of the
+      next. Default 1.0 s: a round already costs the Optimizer's ``matchmaking_time`` (peers that
+      start looking within that window average together), and a pause of the same order keeps the
+      thread from averaging back to back on slow links. 0 averages continuously.
+    :param codec: the codec of the parameter all-reduce. Default ``None`` (no compression):
+      parameters, unlike gradients or differences, are large values averaged again and again, and
+      the rounding error of a lossy codec lands in the weights at every round.
+    :param warmup_steps: local steps before the communication thread starts (Bagua's ``warmup_steps``)
+    """
+
+    def __init__(self, sync_interval_seconds: float = 1.0, *, codec: Any = None, warmup_steps: int = 0) -> None:
+        if not (
+            isinstance(sync_interval_seconds, int | float)
+            and math.isfinite(sync_interval_seconds)
+            and sync_interval_seconds >= 0
+        ):
+            raise ConfigurationError(f"sync_interval_seconds must be >= 0, got {sync_interval_seconds!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigurationError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+        self.sync_interval_seconds = float(sync_interval_seconds)
+        self.codec = codec
+        self.warmup_steps = warmup_steps
+
+    def reify(self, context: AlgorithmContext) -> AsyncModelAverageImpl:
+        return AsyncModelAverageImpl(context, self)
+
+
+class AsyncModelAverageImpl(AlgorithmImpl):
+    """AsyncModelAverage bound to one optimizer. Counters: ``local_steps``, ``rounds`` (averaging
+    rounds applied), ``failed_rounds``. ``running`` tells whether the communication thread runs."""
+
+    def __init__(self, context: AlgorithmContext, algorithm: AsyncModelAverage) -> None:
+        super().__init__(context)
+        self.grad_sums, self.mean_grads, self._sum_of = [], [], {}  # the default path's buffers: unused
+        self.algorithm = algorithm
+        optimizer = context.optimizer
+        config = context.config
+        self._lock = optimizer.state_lock
+        self._state = optimizer.state_manager
+        self._params: list[torch.Tensor] = list(self._state.opt_params)
+        self._matchmaking_time = float(config.matchmaking_time)
+        self._averaging_timeout = float(config.averaging_timeout)
+        self._join_timeout = float(config.shutdown_timeout)
+        with self._lock:
+            self._buffers = [p.detach().float().clone() for p in self._params]
+        opts = dict(optimizer.averager_opts)
+        opts.setdefault("client_mode", config.client_mode)
+        opts.setdefault("min_matchmaking_time", config.matchmaking_time)
+        opts.setdefault("allreduce_timeout", config.allreduce_timeout)
+        opts.setdefault("next_chunk_timeout", config.next_chunk_timeout)
+        opts.setdefault("shutdown_timeout", config.shutdown_timeout)
+        self.averager = DecentralizedAverager(
+            self._buffers,
+            context.dht,
+            start=True,
+            prefix=context.prefix("async_model_average"),
+            compression=algorithm.codec,
+            allow_state_sharing=False,
+            **opts,
+        )
+        self.local_steps = 0
+        self.rounds = 0
+        self.failed_rounds = 0
+        self._thread_lock = threading.Lock()  # guards the thread handles below
+        self._thread: threading.Thread | None = None
+        self._stop: threading.Event | None = None  # the running thread's own stop flag
+        self._control: StepControl | None = None
+        self._aborted = False  # abort() was called: on_backward does not (re)start the thread
+        self._closed = False
+
+    # ----- the computation side
+
+    def init_tensors(self) -> list[NamedTensor]:
+        return []  # nothing for the runner to average: the communication thread does it
+
+    def on_backward(self, batch_size: int) -> None:
+        grads = [p.grad for p in self.context.params]
+        with self._lock:
+            self._state.apply_gradients(grads)
+            self._state.copy_to_model()
+        self.local_steps += 1
+        if self.local_steps >= self.algorithm.warmup_steps and not self._aborted and not self.running:
+            self._start()
+
+    def should_communicate(self) -> bool:
+        return False
+
+    # ----- the communication thread
+
+    @property
+    def running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    @property
+    def round_in_progress(self) -> bool:
+        """Whether the communication thread is in an averaging round (matchmaking or all-reduce)."""
+        control = self._control
+        return control is not None and not control.done()
+
+    def abort(self, timeout: float | None = None) -> bool:
+        """Stops the communication thread (a round in progress is cancelled and not applied) and
+        waits at most ``timeout`` seconds (default: the Optimizer's ``shutdown_timeout``) for it.
+        Returns whether it has stopped."""
+        with self._thread_lock:
+            self._aborted = True
+            thread, stop, control = self._thread, self._stop, self._control
+            if stop is not None:
+                stop.set()
+        if control is not None and not control.done():
+            control.cancel()
+        if thread is None:
+            return True
+        thread.join(self._join_timeout if timeout is None else timeout)
+        if thread.is_alive():
+            logger.warning("the async model averaging thread did not stop in time; it will exit on its own")
+            return False
+        return True
+
+    def resume(self) -> None:
+        """(Re)starts the communication thread after ``abort()``."""
+        if self._closed:
+            raise HivemindExtError("the algorithm is shut down")
+        self._aborted = False
+        self._start()
+
+    def _start(self) -> None:
+        with self._thread_lock:
+            if self._closed or (self._thread is not None and self._thread.is_alive() and not self._stop.is_set()):
+                return
+            stop = threading.Event()  # a thread that has not yet seen an old stop flag keeps its own
+            thread = threading.Thread(
+                target=self._run, args=(stop,), name=f"{self.context.prefix('async')}-averaging", daemon=True
+            )
+            self._thread, self._stop = thread, stop
+            thread.start()
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self._average_once(stop)
+            except Exception as e:  # the thread must survive one bad round; the next may succeed
+                self.failed_rounds += 1
+                logger.warning(f"async model averaging round failed: {e!r}")
+            if stop.wait(self.algorithm.sync_interval_seconds):
+                return
+
+    def _average_once(self, stop: threading.Event) -> None:
+        with self._lock:
+            snapshot = [p.detach().float().clone() for p in self._params]
+        with self.averager.get_tensors() as buffers:
+            torch._foreach_copy_(list(buffers), snapshot)
+        with self._thread_lock:
+            if stop.is_set():
+                return
+            control = self.averager.step(
+                weight=1.0,
+                scheduled_time=get_dht_time() + self._matchmaking_time,
+                timeout=self._averaging_timeout + self._matchmaking_time,
+                wait=False,
+            )
+            assert isinstance(control, StepControl)
+            self._control = control
+        give_up = time.monotonic() + self._averaging_timeout + self._matchmaking_time + 5.0
+        try:
+            while True:
+                if stop.is_set() or time.monotonic() > give_up:
+                    control.cancel()
+                    if not stop.is_set():
+                        self.failed_rounds += 1
+                    return
+                try:
+                    control.result(_POLL_SECONDS)
+                    break
+                except (TimeoutError, concurrent.futures.TimeoutError):
+                    continue
+        except concurrent.futures.CancelledError:
+            return
+        except HivemindExtError as e:
+            self.failed_rounds += 1
+            logger.info(f"async model averaging round failed ({e}); keeping the local parameters")
+            return
+        finally:
+            with self._thread_lock:
+                self._control = None
+        if stop.is_set():
+            return  # aborted while the round finished: do not touch the model any more
+        with self._lock, self.averager.get_tensors() as buffers, torch.no_grad():
+            for param, average, before in zip(self._params, buffers, snapshot, strict=True):
+                param.add_((average - before).to(param.dtype))
+            self._state.copy_to_model()
+        self.rounds += 1
+
+    # ----- shutting down
+
+    def shutdown(self) -> None:
+        """Stops the thread (bounded wait) and the averager; never blocks longer than about twice the
+        Optimizer's ``shutdown_timeout``."""
+        if self._closed:
+            return
+        self.abort()
+        with self._thread_lock:
+            self._closed = True
+        try:
+            self.averager.shutdown()
+        except Exception as e:  # e.g. the DHT's daemon is already gone
+            logger.debug(f"error while shutting down the async averager: {e!r}")

@@ -1,0 +1,282 @@
+"""DiLoCo: many local (inner) optimizer steps, then one outer Nesterov step on averaged pseudo-gradients.
+
+Each peer runs the wrapped torch optimizer (the INNER optimizer) on its own gradients at every
+``step()``. After ``inner_steps`` (H) inner steps since the last outer step, the peers average their
+pseudo-gradients ``anchor - params`` (``anchor`` = the parameters at the start of the round, the
+same on every peer), weighted by the samples of the round's inner steps, and every peer applies the
+same outer SGD step with Nesterov momentum to the anchor::
+
+    m      = mu * m + pg                      # momentum buffer, kept by the implementation
+    update = pg + mu * m                      # Nesterov (update = m without Nesterov)
+    params = anchor - outer_lr * update
+    anchor = params                           # the next round starts here
+
+So the swarm communicates once per H steps. The anchor, the momentum buffer and the round phase
+(inner steps done in the current round, outer steps done) are registered as extra state tensors of
+the Optimizer: a peer that joins late (or catches up, or recovers from a failed round) downloads
+them with the parameters. It then finishes the swarm's current round with weight 0 (it receives
+the average, contributes nothing: its local steps in that round did not start from the anchor) and
+contributes from the next round on, i.e. once it has done H inner steps from a round start.
+
+Peers meet under one matchmaking key whatever their round: a peer that waited for a group past
+the end of the others' round could average with their NEXT round. So each round also averages the
+peers' round index (one uncompressed float, same weights): a peer whose index differs from the
+group's weighted mean treats the round as failed and resyncs, as below. So does a peer for which
+a part of the all-reduce was not averaged (it keeps its own values there).
+
+A peer that finds itself alone (the progress tracker sees no other peer) applies the outer step to
+its own pseudo-gradient at once instead of waiting ``averaging_timeout`` for a group. A round that
+fails while other peers are around leaves the anchors possibly out of step: the peer applies the
+outer step to its local pseudo-gradient and downloads the state from peers at its next step.
+
+Peers must start from the same parameters (the same seed, or a state download), as with any
+gradient-averaging optimizer: DiLoCo averages differences, never the parameters themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hivemind_ext.compression import Float16Compression
+from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket, NamedTensor
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT = object()
+
+
+class DiLoCo(Algorithm):
+    """DiLoCo (Douillard et al., 2023) on top of the Optimizer's averaging machinery.
+
+    :param inner_steps: H, inner (local) optimizer steps between two outer steps
+    :param outer_lr: the outer SGD learning rate (0.7 in the paper)
+    :param outer_momentum: the outer momentum (0.9 in the paper)
+    :param nesterov: Nesterov momentum for the outer step (as in the paper)
+    :param codec: the codec of the pseudo-gradient all-reduce. Default: ``Float16Compression()``:
+      pseudo-gradients are differences of parameters, small and tolerant of rounding (the paper
+      reports no loss with far coarser quantization), and float16 halves the traffic. Pass
+      ``None`` (or ``NoCompression()``) for exact float32 averaging.
+    """
+
+    def __init__(
+        self,
+        inner_steps: int,
+        *,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        codec: Any = _DEFAULT,
+    ) -> None:
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ConfigurationError(f"inner_steps must be a positive integer, got {inner_steps!r}")
+        if not (isinstance(outer_lr, int | float) and math.isfinite(outer_lr) and outer_lr > 0):
+            raise ConfigurationError(f"outer_lr must be a positive number, got {outer_lr!r}")
+        if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
+            raise ConfigurationError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        if nesterov and outer_momentum == 0:
+            raise ConfigurationError("nesterov needs outer_momentum > 0")
+        self.inner_steps = inner_steps
+        self.outer_lr = float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        self.nesterov = bool(nesterov)
+        self.codec = Float16Compression() if codec is _DEFAULT else codec
+
+    def reify(self, context: AlgorithmContext) -> DiLoCoImpl:
+        return DiLoCoImpl(context, self)
+
+
+class DiLoCoImpl(AlgorithmImpl):
+    """DiLoCo bound to one optimizer. Counters (for tests and logs):
+
+    - ``inner_steps``: inner optimizer steps taken (every ``step()`` but those that load state);
+    - ``rounds``: outer steps applied, however they were computed;
+    - ``swarm_rounds`` / ``solo_rounds`` / ``failed_rounds``: outer steps on a swarm average / on
+      the local pseudo-gradient because no other peer was around / after a failed all-reduce;
+    - ``contributing_rounds``: swarm rounds this peer contributed to with a nonzero weight;
+    - ``state_loads``: training states downloaded from peers (late join, catch-up, resync).
+    """
+
+    def __init__(self, context: AlgorithmContext, algorithm: DiLoCo) -> None:
+        super().__init__(context)
+        self.grad_sums, self.mean_grads, self._sum_of = [], [], {}  # the default path's buffers: unused
+        self.algorithm = algorithm
+        optimizer = context.optimizer
+        self._lock = optimizer.state_lock
+        self._state = optimizer.state_manager
+        self._params: list[torch.Tensor] = list(self._state.opt_params)  # what the inner optimizer updates
+        with self._lock:
+            self.anchor = [p.detach().float().clone() for p in self._params]
+            self.momentum = [torch.zeros_like(a) for a in self.anchor]
+            self.phase = torch.zeros(2, dtype=torch.float32)  # [inner steps in this round, outer steps]
+            # what a late joiner downloads with the parameters (TrainingState.snapshot / load)
+            self._state.extra_tensors.extend([*self.anchor, *self.momentum, self.phase])
+        self.pseudo_grads = [torch.zeros_like(a) for a in self.anchor]
+        self._index = {id(t): i for i, t in enumerate(self.pseudo_grads)}
+        # averaged alongside (uncompressed, same round, same weight): the group's mean round index
+        # tells a peer whether it averaged with peers of another round (see optimizer_step)
+        self.round_check = torch.zeros(1, dtype=torch.float32)
+        self.steps_in_round = 0
+        self.samples_in_round = 0
+        self.contributing = True  # False from a state download to the end of that round
+        self._round_ok: bool | None = None
+        self._resync = False
+        self.inner_steps = 0
+        self.rounds = 0
+        self.swarm_rounds = 0
+        self.solo_rounds = 0
+        self.failed_rounds = 0
+        self.contributing_rounds = 0
+        self.state_loads = 0
+        self.last_group_size = 0
+        #: (swarm round index after the step, how it was computed, this peer's weight) per outer step
+        self.history: deque[tuple[int, str, float, int]] = deque(maxlen=1000)
+
+    # ----- what and how
+
+    def init_tensors(self) -> list[NamedTensor]:
+        return [(f"pseudo_grad{i}", t) for i, t in enumerate(self.pseudo_grads)] + [("round_check", self.round_check)]
+
+    def tensors_to_buckets(self, tensors: Sequence[NamedTensor]) -> list[list[NamedTensor]]:
+        check = [(name, t) for name, t in tensors if t is self.round_check]
+        return [*super().tensors_to_buckets([(name, t) for name, t in tensors if t is not self.round_check]), check]
+
+    def init_operations(self, bucket: Bucket) -> None:
+        if bucket.tensors[0] is self.round_check:
+            bucket.append_python(self._load_round_check)
+            bucket.append_average(None, weight=self.round_weight)
+            return
+        bucket.append_python(self._load_pseudo_gradients)
+        bucket.append_average(self.algorithm.codec, weight=self.round_weight)
+
+    def round_weight(self) -> float:
+        """This peer's weight in the pseudo-gradient average: the samples of its inner steps in the
+        round, or 0 in the round it joined (it receives the average but contributes nothing)."""
+        return float(self.samples_in_round) if self.contributing else 0.0
+
+    def _load_round_check(self, bucket: Bucket) -> None:
+        self.round_check.fill_(float(self.round_index))
+
+    def _load_pseudo_gradients(self, bucket: Bucket) -> None:
+        with self._lock, torch.no_grad():
+            for tensor in bucket.tensors:
+                i = self._index[id(tensor)]
+                torch.sub(self.anchor[i], self._params[i].detach().float(), out=tensor)
+
+    # ----- when, and the callbacks
+
+    def on_backward(self, batch_size: int) -> None:
+        """One inner step on the local gradients (after a state download if the last round failed)."""
+        if self._resync:
+            self._resync = False
+            if self._peers() > 1:
+                logger.info("DiLoCo: the last round failed; downloading the state from peers")
+                self.context.optimizer.load_state_from_peers(timeout=self.context.config.averaging_timeout)
+                if not self.contributing:  # loaded: these gradients belong to the old parameters
+                    return
+        grads = [p.grad for p in self.context.params]
+        with self._lock:
+            self._state.apply_gradients(grads)
+            self._state.copy_to_model()
+            self.steps_in_round += 1
+            self.samples_in_round += batch_size
+            self.phase[0] = float(self.steps_in_round)
+        self.inner_steps += 1
+
+    def should_communicate(self) -> bool:
+        if self.steps_in_round < self.algorithm.inner_steps:
+            return False
+        if self._peers() <= 1:
+            # alone: a round could only time out; step on the local pseudo-gradient now
+            with self._lock:
+                with torch.no_grad():
+                    for anchor, param, pg in zip(self.anchor, self._params, self.pseudo_grads, strict=True):
+                        torch.sub(anchor, param.detach().float(), out=pg)
+                self._outer_step(self.pseudo_grads)
+                self._state.copy_to_model()
+            self.solo_rounds += 1
+            self.history.append((self.round_index, "solo", float(self.samples_in_round), 1))
+            self._end_round()
+            return False
+        self._round_ok = None
+        return True
+
+    def on_average_result(self, succeeded: bool, report: Any = None) -> None:
+        self.last_group_size = report.group_size if report is not None else 1
+        if succeeded and report is not None and report.group_size > 1:
+            # every member that received a part's average holds the same values for it; a part this
+            # peer did not get averaged (it keeps its own values), or one that left out its values,
+            # makes its pseudo-gradient differ from the group's: count the round as failed
+            me = str(self.context.dht.peer_id)
+            contributing = self.round_weight() > 0
+            for contributors in report.contributors:
+                if len(contributors) < 2 or (contributing and me not in contributors):
+                    succeeded = False
+        self._round_ok = succeeded
+
+    def optimizer_step(self) -> None:
+        """The outer step (the runner holds the state lock and publishes the parameters after it)."""
+        aligned = round(float(self.round_check.item())) == self.round_index
+        self._outer_step(self.pseudo_grads)
+        if self._round_ok and aligned:
+            self.swarm_rounds += 1
+            if self.contributing:
+                self.contributing_rounds += 1
+            kind = "swarm"
+        else:
+            # a failed round, or one where most of the weight came from peers at another round index
+            # (this peer slipped into the group of a later round): the anchors may now differ
+            self.failed_rounds += 1
+            self._resync = True
+            kind = "failed" if not self._round_ok else "misaligned"
+        self.history.append((self.round_index, kind, self.round_weight(), self.last_group_size))
+
+    def on_optimizer_step(self) -> None:
+        self._end_round()
+
+    def on_state_loaded(self) -> None:
+        """The anchor, momentum and phase were overwritten in place with a peer's: adopt its phase
+        and sit out (weight 0) the rest of its round."""
+        self.steps_in_round = int(self.phase[0].item())
+        self.samples_in_round = 0
+        self.contributing = False
+        self.state_loads += 1
+
+    # ----- the outer step
+
+    def _outer_step(self, pseudo_grads: Sequence[torch.Tensor]) -> None:
+        alg = self.algorithm
+        with torch.no_grad():
+            for anchor, momentum, pg, param in zip(self.anchor, self.momentum, pseudo_grads, self._params, strict=True):
+                momentum.mul_(alg.outer_momentum).add_(pg)
+                update = pg.add(momentum, alpha=alg.outer_momentum) if alg.nesterov else momentum
+                anchor.sub_(update, alpha=alg.outer_lr)
+                param.copy_(anchor)
+            self.phase[1] += 1
+        self.rounds += 1
+
+    def _end_round(self) -> None:
+        with self._lock:
+            self.steps_in_round = 0
+            self.samples_in_round = 0
+            self.phase[0] = 0.0
+        self.contributing = True
+
+    @property
+    def resync_pending(self) -> bool:
+        """The last round failed or mixed rounds: the next ``step()`` downloads the state from peers."""
+        return self._resync
+
+    @property
+    def round_index(self) -> int:
+        """The swarm's outer steps so far (downloaded with the state: the same on every peer)."""
+        return int(self.phase[1].item())
+
+    def _peers(self) -> int:
+        return int(self.context.tracker.global_progress.num_peers)
