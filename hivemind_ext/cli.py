@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MADDR",
         help="multiaddrs of running peers of the swarm to bootstrap the DHT from",
     )
-    aux.add_argument("--run-id", required=True, help="the run_id the trainers pass to hivemind_ext.Optimizer")
+    aux.add_argument(
+        "--run-id", required=True, metavar="RUN", help="the run_id the trainers pass to hivemind_ext.Optimizer"
+    )
     aux.add_argument(
         "--target-batch-size",
         required=True,
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=DEFAULT_HOST_MADDRS,
         metavar="MADDR",
-        help="multiaddrs to listen on (default: %(default)s)",
+        help="multiaddrs to listen on (default: /ip4/0.0.0.0/tcp/0, all interfaces, a random port)",
     )
     aux.add_argument(
         "--announce-maddrs", nargs="+", default=None, metavar="MADDR", help="multiaddrs to announce to other peers"

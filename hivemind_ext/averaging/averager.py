@@ -191,6 +191,9 @@ class DecentralizedAverager:
         self._p2p: P2P | None = None
         self._awaiting_trigger: dict[bytes, StepControl] = {}  # group id -> step waiting for its trigger
         self.last_round: RoundReport | None = None
+        # True: updates made to the tensors while a round runs are kept (tensor += average - start);
+        # subclasses whose tensors nobody touches during a round set False to copy the average exactly
+        self.keep_concurrent_updates = True
         self.last_updated: float = get_dht_time()
         if start:
             self.run_in_background()
@@ -441,7 +444,10 @@ class DecentralizedAverager:
         if not self.auxiliary:
             with self._lock:
                 for tensor, before, average in zip(self._averaged_tensors, start_values, result.tensors, strict=True):
-                    tensor.add_(average.to(tensor.dtype) - before, alpha=self.averaging_alpha)
+                    if self.averaging_alpha == 1.0 and not self.keep_concurrent_updates:
+                        tensor.copy_(average)  # bit-identical results on every member
+                    else:
+                        tensor.add_(average.to(tensor.dtype) - before, alpha=self.averaging_alpha)
             self.last_updated = get_dht_time()
         self.last_round = RoundReport(
             group_size=group.size,

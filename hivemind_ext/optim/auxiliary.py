@@ -67,8 +67,14 @@ class AuxiliaryPeer:
         now = get_dht_time()
         if self._control is None and self.tracker.estimated_next_update_time - now <= self.matchmaking_time:
             scheduled = max(self.tracker.estimated_next_update_time, now)
-            control = self.averager.step(
-                scheduled_time=scheduled, timeout=self.averaging_timeout, wait=False, require_trigger=True
+            # the base class's step: a GradientAverager (Optimizer(auxiliary=True)) overrides step() with
+            # gradient-accumulation semantics that take no require_trigger
+            control = DecentralizedAverager.step(
+                self.averager,
+                scheduled_time=scheduled,
+                timeout=self.averaging_timeout,
+                wait=False,
+                require_trigger=True,
             )
             assert isinstance(control, StepControl)
             self._control = control

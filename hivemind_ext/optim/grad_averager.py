@@ -46,6 +46,7 @@ class GradientAverager(DecentralizedAverager):
         auxiliary = bool(kwargs.get("auxiliary", False))
         buffers = [] if auxiliary else [torch.zeros_like(p, dtype=torch.float32) for p in self.parameters]
         super().__init__(buffers, dht, **kwargs, prefix=prefix)
+        self.keep_concurrent_updates = False  # the buffers are only written between rounds
 
     @property
     def local_samples_accumulated(self) -> int:

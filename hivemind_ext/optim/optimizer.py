@@ -75,6 +75,16 @@ def progress_prefix(run_id: str) -> str:
     return run_id  # the tracker stores under f"{run_id}_progress", as hivemind's does
 
 
+def gathered_epochs(gathered: Any) -> set[int]:
+    """The epochs that a gradient round's members reported (untrusted: only plain ints count)."""
+    epochs = set()
+    for data in (gathered or {}).values():
+        epoch = data.get("epoch") if isinstance(data, dict) else None
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**62:
+            epochs.add(epoch)
+    return epochs
+
+
 def gathered_samples(gathered: Any) -> dict[str, int]:
     """Samples per member from a gradient round's gathered data ({"samples": n} from each member);
     gather data is untrusted wire input: anything else (e.g. an auxiliary peer's None) counts as 0."""
@@ -601,7 +611,7 @@ class Optimizer(torch.optim.Optimizer):
             control.weight = 0.0 if zero_weight else float(samples)
         # groupmates learn how many samples each member averaged (read back in _wait_gradient_round);
         # the round packs control.gather only when it starts, after the trigger below
-        control.gather = {"samples": 0 if zero_weight else int(samples)}
+        control.gather = {"samples": 0 if zero_weight else int(samples), "epoch": self.local_epoch}
         self.grad_averager.step(control=control, weight=0.0 if zero_weight else float(samples), wait=False)
         return control
 
@@ -622,6 +632,11 @@ class Optimizer(torch.optim.Optimizer):
         self.last_round_samples = gathered_samples(gathered)
         self.last_epoch_samples = sum(self.last_round_samples.values())
         logger.log(self.status_loglevel, f"averaged gradients with {peers} peers")
+        if gathered_epochs(gathered) - {self.local_epoch}:
+            # groupmates averaged another epoch's gradients (this peer was behind, e.g. right after a
+            # download that raced their step): the update still helps, but download the state next
+            logger.info(f"groupmates were at epochs {sorted(gathered_epochs(gathered))}: resynchronizing")
+            self._resync = True
         return True
 
     def _finish_gradient_round(self, control: StepControl, *, apply: bool) -> None:

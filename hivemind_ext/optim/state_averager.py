@@ -40,6 +40,7 @@ class TrainingStateAverager(DecentralizedAverager):
         self._round: StepControl | None = None
         buffers = [] if kwargs.get("auxiliary") else [t.detach().float().clone() for t in live]
         super().__init__(buffers, dht, **kwargs, prefix=prefix)
+        self.keep_concurrent_updates = False  # the buffers are only written between rounds
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
         """What newcomers download: the whole training state (see TrainingState.snapshot)."""

@@ -1,0 +1,464 @@
+"""DiLoCo and AsyncModelAverage: the outer-step math, when they communicate, the async thread's
+controls and its progress-keeping rule, convergence against synchronous averaging, dead peers and a
+late joiner. Multi-peer tests run real peers (threads, each with its own DHT) on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import hivemind
+import pytest
+import torch
+from optim_swarm import signing_key
+from swarm import LOOPBACK, local_swarm
+
+from hivemind_ext import Optimizer
+from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.optim.algorithms import (
+    Algorithm,
+    AsyncModelAverage,
+    AsyncModelAverageImpl,
+    DiLoCo,
+    DiLoCoImpl,
+)
+
+FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
+MATCHMAKING_TIME = 0.3
+AVERAGING_TIMEOUT = 5.0
+FEATURES = 8
+BATCH = 16
+W_TRUE = torch.linspace(-1.0, 1.0, FEATURES).unsqueeze(1)
+NOISE = 0.1  # the loss floor is NOISE**2 = 0.01
+
+
+def make_optimizer(
+    dht: hivemind.DHT,
+    params: Sequence[torch.nn.Parameter],
+    run_id: str,
+    algorithm: Algorithm | None,
+    *,
+    lr: float = 0.1,
+    target_batch_size: int = 10_000,
+) -> Optimizer:
+    return Optimizer(
+        dht=dht,
+        run_id=run_id,
+        target_batch_size=target_batch_size,
+        batch_size_per_step=BATCH,
+        optimizer=lambda p: torch.optim.SGD(p, lr=lr),
+        params=list(params),
+        matchmaking_time=MATCHMAKING_TIME,
+        averaging_timeout=AVERAGING_TIMEOUT,
+        offload_optimizer=False,
+        shutdown_timeout=2.0,
+        # one tracker key per peer: in one process every DHT shares hivemind's process-wide key
+        tracker_opts={**FAST_TRACKER, "private_key": signing_key(dht)},
+        algorithm=algorithm,
+    )
+
+
+def linear_model(seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(FEATURES, 1)
+
+
+def batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(BATCH, FEATURES, generator=generator)
+    return x, x @ W_TRUE + NOISE * torch.randn(BATCH, 1, generator=generator)
+
+
+def test_loss(model: torch.nn.Module) -> float:
+    generator = torch.Generator().manual_seed(12345)
+    x = torch.randn(2048, FEATURES, generator=generator)
+    y = x @ W_TRUE + NOISE * torch.randn(2048, 1, generator=generator)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), y))
+
+
+test_loss.__test__ = False  # a helper, not a test
+
+
+def train_step(model: torch.nn.Module, opt: Optimizer, generator: torch.Generator) -> None:
+    x, y = batch(generator)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def run_peers(worker: Callable[[int], None], count: int, timeout: float = 90.0) -> None:
+    errors: list[BaseException] = []
+
+    def wrapped(index: int) -> None:
+        try:
+            worker(index)
+        except BaseException as e:  # re-raised in the test thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrapped, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a peer's training loop hung"
+    if errors:
+        raise errors[0]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, message: str) -> None:
+    give_up = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < give_up, message
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def solo_dht():
+    dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
+# ----- DiLoCo on one peer: the math and the schedule
+
+
+def test_diloco_config_is_checked():
+    with pytest.raises(ConfigurationError):
+        DiLoCo(0)
+    with pytest.raises(ConfigurationError):
+        DiLoCo(5, outer_lr=-1.0)
+    with pytest.raises(ConfigurationError):
+        DiLoCo(5, outer_momentum=1.0)
+    with pytest.raises(ConfigurationError):
+        AsyncModelAverage(sync_interval_seconds=-1)
+
+
+@pytest.mark.timeout(120)
+def test_diloco_outer_nesterov_step_matches_reference(solo_dht):
+    """One peer (no other in the swarm: the outer step uses its own pseudo-gradient at once): inner
+    SGD on 0.5 * |x - t_k|^2, then outer Nesterov SGD (lr 0.7, momentum 0.9) on anchor - x."""
+    inner_lr, inner_steps, steps = 0.1, 4, 3 * 4 + 2
+    x0 = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    targets = torch.randn(steps, 4, generator=torch.Generator().manual_seed(0))
+    param = torch.nn.Parameter(x0.clone())
+    opt = make_optimizer(solo_dht, [param], "diloco_math", DiLoCo(inner_steps, codec=None), lr=inner_lr)
+    try:
+        impl = opt.algorithm_impl
+        assert isinstance(impl, DiLoCoImpl)
+        for k in range(steps):
+            param.grad = param.detach() - targets[k]
+            opt.step(batch_size=1)
+            opt.zero_grad()
+
+        # the reference, written out by hand
+        x, anchor, momentum = x0.clone(), x0.clone(), torch.zeros(4)
+        for k in range(steps):
+            x = x - inner_lr * (x - targets[k])
+            if (k + 1) % inner_steps == 0:
+                pseudo_grad = anchor - x
+                momentum = 0.9 * momentum + pseudo_grad
+                anchor = anchor - 0.7 * (pseudo_grad + 0.9 * momentum)
+                x = anchor.clone()
+        torch.testing.assert_close(param.detach(), x, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(impl.momentum[0], momentum, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(impl.anchor[0], anchor, atol=1e-6, rtol=1e-6)
+        assert impl.rounds == steps // inner_steps == impl.solo_rounds
+        assert impl.inner_steps == steps
+    finally:
+        opt.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_diloco_communicates_once_every_h_steps(solo_dht):
+    model = linear_model()
+    opt = make_optimizer(solo_dht, model.parameters(), "diloco_schedule", DiLoCo(5))
+    try:
+        impl = opt.algorithm_impl
+        assert isinstance(impl, DiLoCoImpl)
+        generator = torch.Generator().manual_seed(0)
+        rounds_after = []
+        for _ in range(23):
+            train_step(model, opt, generator)
+            rounds_after.append(impl.rounds)
+        assert impl.rounds == 23 // 5
+        assert [i + 1 for i in range(23) if rounds_after[i] != (rounds_after[i - 1] if i else 0)] == [5, 10, 15, 20]
+        assert impl.round_index == impl.rounds
+    finally:
+        opt.shutdown()
+
+
+# ----- AsyncModelAverage: controls, shutdown, and the progress-keeping rule
+
+
+@pytest.mark.timeout(120)
+def test_async_abort_resume_and_prompt_shutdown():
+    with local_swarm(2) as dhts:
+        params = [torch.nn.Parameter(torch.full((4,), float(i))) for i in range(2)]
+        algorithm = AsyncModelAverage(sync_interval_seconds=0.05)
+        opts = [make_optimizer(dht, [p], "async_controls", algorithm) for dht, p in zip(dhts, params, strict=True)]
+        try:
+            impls = [opt.algorithm_impl for opt in opts]
+            assert all(isinstance(impl, AsyncModelAverageImpl) for impl in impls)
+            for opt in opts:  # the first step starts the communication thread
+                opt.step(batch_size=1)  # no gradients: the local step changes nothing
+            wait_for(lambda: all(impl.rounds >= 2 for impl in impls), 30, "no async rounds")
+            torch.testing.assert_close(params[0].detach(), params[1].detach())
+            torch.testing.assert_close(params[0].detach(), torch.full((4,), 0.5))
+
+            started = time.perf_counter()
+            assert all(impl.abort() for impl in impls)
+            assert time.perf_counter() - started < 3.0
+            assert not any(impl.running for impl in impls)
+            counts = [impl.rounds for impl in impls]
+            for opt in opts:  # local steps do not restart an aborted thread
+                opt.step(batch_size=1)
+            time.sleep(1.0)
+            assert [impl.rounds for impl in impls] == counts
+
+            for impl in impls:
+                impl.resume()
+            wait_for(lambda: all(i.rounds >= c + 2 for i, c in zip(impls, counts, strict=True)), 30, "no resume")
+
+            # peer 1 stops communicating: peer 0's next round can only wait for a group; shut it down mid-round
+            impls[1].abort()
+            wait_for(lambda: impls[0].round_in_progress, 10, "peer 0 is not in a round")
+            time.sleep(MATCHMAKING_TIME + 0.2)
+            assert impls[0].round_in_progress
+            started = time.perf_counter()
+            opts[0].shutdown()
+            assert time.perf_counter() - started < 3.0
+            assert not impls[0].running
+        finally:
+            for opt in opts:
+                opt.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_async_round_keeps_progress_made_during_it():
+    """Peer A keeps stepping (x -= g, SGD lr 1) while its round runs; peer B does not step. After the
+    round B holds mean(snapshots) and A holds mean(snapshots) + its progress since its snapshot:
+    x_A = a - k_total * g + (mean - snapshot_A), with snapshot_A = a - k0 * g for a whole k0."""
+    a, b = torch.tensor([1.0, 2.0, -3.0, 0.5]), torch.tensor([-1.0, 4.0, 1.0, 2.5])
+    g = torch.tensor([0.01, -0.02, 0.005, 0.01])
+    with local_swarm(2) as dhts:
+        param_a, param_b = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
+        algorithm = AsyncModelAverage(sync_interval_seconds=60.0)  # exactly one round in this test
+        opt_a = make_optimizer(dhts[0], [param_a], "async_progress", algorithm, lr=1.0)
+        opt_b = make_optimizer(dhts[1], [param_b], "async_progress", algorithm, lr=1.0)
+        try:
+            impl_a, impl_b = opt_a.algorithm_impl, opt_b.algorithm_impl
+            opt_b.step(batch_size=1)  # starts B's thread, no change to B
+            k_total = 0
+            give_up = time.monotonic() + 30
+            while impl_a.rounds < 1 or impl_b.rounds < 1:
+                assert time.monotonic() < give_up and not impl_a.failed_rounds, "the round did not happen"
+                param_a.grad = g.clone()
+                opt_a.step(batch_size=1)
+                k_total += 1
+                time.sleep(0.01)
+            assert impl_a.rounds == impl_b.rounds == 1
+            x_a, mean = param_a.detach().clone(), param_b.detach().clone()
+            # B's value is the mean of the snapshots: (a - k0 * g + b) / 2
+            k0_estimate = torch.dot(a + b - 2 * mean, g) / torch.dot(g, g)
+            k0 = round(float(k0_estimate))
+            assert abs(float(k0_estimate) - k0) < 1e-2 and 1 <= k0 < k_total
+            torch.testing.assert_close(mean, (a - k0 * g + b) / 2, atol=1e-5, rtol=0)
+            progress_during_round = -(k_total - k0) * g
+            assert k_total - k0 >= 5, "A should have stepped during the round"
+            torch.testing.assert_close(x_a, mean + progress_during_round, atol=1e-5, rtol=0)
+        finally:
+            opt_a.shutdown()
+            opt_b.shutdown()
+
+
+# ----- four peers: convergence against synchronous averaging
+
+
+PEERS = 4
+STEPS = 60
+LOSS_TOLERANCE = 0.02  # mean MSE over the peers, absolute, above synchronous averaging's (floor 0.01, start ~3)
+
+
+def train_swarm(
+    dhts: Sequence[hivemind.DHT], run_id: str, algorithm: Algorithm | None, *, lr: float, target_batch_size: int
+) -> tuple[list[float], list[Optimizer]]:
+    models = [linear_model(seed=0) for _ in dhts]
+    opts = [
+        make_optimizer(dht, m.parameters(), run_id, algorithm, lr=lr, target_batch_size=target_batch_size)
+        for dht, m in zip(dhts, models, strict=True)
+    ]
+
+    def worker(index: int) -> None:
+        generator = torch.Generator().manual_seed(index + 1)
+        impl = opts[index].algorithm_impl
+        for step in range(STEPS):
+            if isinstance(impl, AsyncModelAverageImpl) and step in (STEPS // 3, 2 * STEPS // 3):
+                # on a loaded machine the loop can outrun the thread: at most a third of the steps
+                # between two averaging rounds, so that asynchronous averaging is what is measured
+                wanted = 1 if step == STEPS // 3 else 2
+                wait_for(lambda: impl.rounds >= wanted, 30, "no async averaging round")  # noqa: B023
+            train_step(models[index], opts[index], generator)
+            time.sleep(0.01)
+
+    try:
+        run_peers(worker, len(dhts))
+    finally:
+        for opt in opts:
+            if not isinstance(opt.algorithm_impl, AsyncModelAverageImpl):
+                opt.shutdown()
+    return [test_loss(m) for m in models], opts
+
+
+def synchronous_reference_loss(steps_per_epoch: int = 10, lr: float = 0.4) -> float:
+    """What synchronous averaging computes when every round succeeds, on the same data: one SGD step
+    per epoch on the mean gradient of every peer's batches of that epoch."""
+    model = linear_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    generators = [torch.Generator().manual_seed(index + 1) for index in range(PEERS)]
+    for _ in range(STEPS // steps_per_epoch):
+        opt.zero_grad()
+        for _ in range(steps_per_epoch):
+            for generator in generators:
+                x, y = batch(generator)
+                (torch.nn.functional.mse_loss(model(x), y) / (steps_per_epoch * PEERS)).backward()
+        opt.step()
+    return test_loss(model)
+
+
+@pytest.mark.timeout(120)
+def test_convergence_matches_synchronous_averaging():
+    with local_swarm(PEERS) as dhts:
+        # synchronous gradient averaging: an epoch every 10 steps of every peer (6 averaging rounds)
+        sync_losses, _ = train_swarm(dhts, "conv_sync", None, lr=0.4, target_batch_size=PEERS * BATCH * 10)
+        diloco_losses, diloco_opts = train_swarm(dhts, "conv_diloco", DiLoCo(10), lr=0.1, target_batch_size=10_000)
+        async_losses, async_opts = train_swarm(
+            dhts, "conv_async", AsyncModelAverage(sync_interval_seconds=0.2), lr=0.1, target_batch_size=10_000
+        )
+        try:
+            async_rounds = [opt.algorithm_impl.rounds for opt in async_opts]
+        finally:
+            for opt in async_opts:
+                opt.shutdown()
+    start = test_loss(linear_model(seed=0))
+    reference = synchronous_reference_loss()
+    # the networked standard Optimizer trains too (its rounds can fail on a loaded machine, so it
+    # is held to a loose bound); the tolerance is checked against its exact, in-process equivalent
+    assert sum(sync_losses) / PEERS < start / 3, (sync_losses, start)
+    assert reference < 0.05 < start, (reference, start)
+    # the mean over the peers' own models (a failed round can leave one peer behind for a while)
+    assert sum(diloco_losses) / PEERS <= reference + LOSS_TOLERANCE, (diloco_losses, reference, sync_losses)
+    assert sum(async_losses) / PEERS <= reference + LOSS_TOLERANCE, (async_losses, reference, sync_losses)
+    diloco_impls = [opt.algorithm_impl for opt in diloco_opts]
+    for impl in diloco_impls:  # one outer step per 10 steps; rounds may fail on a loaded machine
+        assert impl.rounds == STEPS // 10, impl.history
+        assert impl.swarm_rounds >= 1, impl.history
+    assert all(rounds >= 1 for rounds in async_rounds), async_rounds
+
+
+# ----- faults: a peer that dies, a peer that joins late
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algorithm_name", ["diloco", "async"])
+def test_dead_peer_does_not_stop_the_others(algorithm_name):
+    steps, dies_at = 45, 12
+    with local_swarm(3) as dhts:
+        if algorithm_name == "diloco":
+            algorithm: Algorithm = DiLoCo(5, codec=None)
+        else:
+            algorithm = AsyncModelAverage(sync_interval_seconds=0.1)
+        models = [linear_model(seed=0) for _ in dhts]
+        opts = [
+            make_optimizer(dht, m.parameters(), f"dead_{algorithm_name}", algorithm)
+            for dht, m in zip(dhts, models, strict=True)
+        ]
+        rounds_at_death: dict[int, int] = {}
+        died = threading.Event()
+
+        def rounds(index: int) -> int:
+            impl = opts[index].algorithm_impl
+            return impl.swarm_rounds if isinstance(impl, DiLoCoImpl) else impl.rounds
+
+        def worker(index: int) -> None:
+            generator = torch.Generator().manual_seed(index + 1)
+            for step in range(steps):
+                if index == 2 and step == dies_at:
+                    dhts[2].shutdown()  # abruptly: its network is gone, its averagers' rounds break
+                    died.set()
+                    return
+                if index != 2 and step == dies_at + 3:
+                    died.wait(30)
+                    rounds_at_death[index] = rounds(index)
+                train_step(models[index], opts[index], generator)
+                time.sleep(0.02)
+
+        try:
+            started = time.perf_counter()
+            run_peers(worker, 3, timeout=90)
+            if algorithm_name == "async":  # give the survivors' thread time for rounds after the death
+                wait_for(lambda: all(rounds(i) > rounds_at_death[i] for i in (0, 1)), 30, "no rounds after death")
+            elapsed = time.perf_counter() - started
+        finally:
+            for opt in opts:
+                opt.shutdown()
+    for index in (0, 1):
+        assert rounds(index) > rounds_at_death[index], (algorithm_name, index, rounds_at_death)
+        assert test_loss(models[index]) < 0.1
+    assert elapsed < 80
+
+
+@pytest.mark.timeout(120)
+def test_diloco_late_joiner_loads_state_and_contributes_from_next_round():
+    inner_steps, final_round = 5, 9
+    with local_swarm(4) as dhts:
+        algorithm = DiLoCo(inner_steps, codec=None)
+        models = [linear_model(seed=0) for _ in range(3)] + [linear_model(seed=1)]  # the joiner differs
+        # an epoch per round of the first three peers: the joiner sees the swarm ahead and downloads
+        target = 3 * BATCH * inner_steps
+        opts: list[Optimizer | None] = [
+            make_optimizer(dht, m.parameters(), "late", algorithm, target_batch_size=target)
+            for dht, m in zip(dhts[:3], models[:3], strict=True)
+        ] + [None]
+        joined = threading.Event()
+
+        def worker(index: int) -> None:
+            generator = torch.Generator().manual_seed(index + 1)
+            if index == 3:
+                wait_for(lambda: all(o.algorithm_impl.round_index >= 2 for o in opts[:3]), 60, "no early rounds")
+                opts[3] = make_optimizer(dhts[3], models[3].parameters(), "late", algorithm, target_batch_size=target)
+                joined.set()
+            opt = opts[index]
+            impl = opt.algorithm_impl
+            give_up = time.monotonic() + 80
+            while (impl.round_index < final_round or impl.resync_pending) and time.monotonic() < give_up:
+                train_step(models[index], opt, generator)
+                time.sleep(0.02)
+
+        try:
+            run_peers(worker, 4, timeout=100)
+            impls = [opt.algorithm_impl for opt in opts]
+            histories = [(list(i.history), i.state_loads) for i in impls]
+            joiner = impls[3]
+            assert joined.is_set() and joiner.state_loads >= 1
+            assert all(impl.round_index == final_round for impl in impls), [i.history for i in impls]
+            # the joiner's first outer step after its download had weight 0, its later ones counted
+            history = list(joiner.history)
+            assert history and history[0][2] == 0.0, history
+            assert joiner.contributing_rounds >= 1, history
+            assert any(kind == "swarm" and weight > 0 for _, kind, weight, _ in history), history
+            # the others averaged with the swarm (a round may fail on a loaded machine), and every
+            # peer ended on the same model (a peer whose last round failed downloads it)
+            for impl in impls[:3]:
+                assert impl.swarm_rounds >= final_round // 2, histories
+            for model in models[1:]:
+                for mine, theirs in zip(models[0].parameters(), model.parameters(), strict=True):
+                    torch.testing.assert_close(
+                        mine.detach(), theirs.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{m}\n{histories}"
+                    )
+        finally:
+            for opt in opts:
+                if opt is not None:
+                    opt.shutdown()
