@@ -108,14 +108,18 @@ def codes_of(message: CompressedTensor) -> torch.Tensor:
     return message.payload[aligned(256 * stats_itemsize(message.dtype)) :].long()
 
 
-def assert_decodes_to_bucket_means(x: torch.Tensor, message: CompressedTensor, y: torch.Tensor) -> None:
-    """Every value decodes to the mean of the values that share its code (the codebook's contract)."""
-    codes, flat = codes_of(message), x.reshape(-1).double()
+def assert_decodes_to_bucket_means(
+    x: torch.Tensor, codes: torch.Tensor, y: torch.Tensor, magnitude: torch.Tensor | None = None
+) -> None:
+    """Every value decodes to the mean of the values that share its code (the codebook's contract), up
+    to float rounding relative to ``magnitude``: max |x| of the whole tensor (default: of x)."""
+    flat = x.reshape(-1).double()
     scale = flat.abs().max().clamp_min(1e-300)  # sums of values near 1e308 would overflow
     sums = torch.zeros(256, dtype=torch.float64).index_add_(0, codes, flat / scale)
     means = sums / torch.bincount(codes, minlength=256).clamp_min(1) * scale
     expected = means[codes].to(x.dtype).double()
-    tolerance = 1e-6 * flat.abs().max() + torch.finfo(x.dtype).eps * expected.abs()
+    magnitude = flat.abs().max() if magnitude is None else magnitude
+    tolerance = 1e-6 * magnitude + torch.finfo(x.dtype).eps * expected.abs()
     assert bool(((y.reshape(-1).double() - expected).abs() <= tolerance).all())
 
 
@@ -123,6 +127,37 @@ def assert_within_bound(x: torch.Tensor, y: torch.Tensor, bound: torch.Tensor) -
     error = (x.reshape(-1).double() - y.reshape(-1).double()).abs()
     excess = error - bound
     assert bool((excess <= 0).all()), f"bound exceeded by {excess.max().item():.3g} at {int(excess.argmax())}"
+
+
+def uniform_step(codec: Uniform8BitQuantization, x: torch.Tensor) -> torch.Tensor:
+    """The bucket width the docstring states: range_in_sigmas * std / 256 (std over all values, which the
+    codec estimates from a sample of larger tensors), raised to max|x| * 2**-100 and the smallest normal."""
+    flat = x.reshape(-1).double()
+    magnitude = flat.abs().max().clamp_min(1e-300)  # sums and squares of values near 1e308 would overflow
+    deviations = flat - (flat / magnitude).mean() * magnitude
+    largest = deviations.abs().max().clamp_min(1e-300)
+    std = (deviations / largest).square().mean().sqrt() * largest
+    floor = max(float(magnitude) * 2.0**-100, torch.finfo(stats_dtype(x.dtype)).tiny)
+    return (std * codec.range_in_sigmas / 256).clamp_min(floor)
+
+
+def assert_uniform_bound(
+    codec: Uniform8BitQuantization, x: torch.Tensor, message: CompressedTensor, y: torch.Tensor
+) -> None:
+    """Inner buckets (codes 1..254): |x - x'| <= step / 2 plus rounding; outer buckets (codes 0, 255):
+    the mean of the values with that code; every x' within [min x, max x]."""
+    codes, flat, decoded = codes_of(message), x.reshape(-1).double(), y.reshape(-1).double()
+    assert bool(((decoded >= flat.min()) & (decoded <= flat.max())).all())
+    # the step is exact (float rounding aside) where the codec's std sample holds every value
+    sampled = x.numel() <= Uniform8BitQuantization.SAMPLE_SIZE
+    step = uniform_step(codec, x) * (1 + 1e-6 if sampled else 1.05)
+    largest = (flat.abs().max() + 256 * step).clamp_max(torch.finfo(torch.float64).max)
+    bound = step / 2 + rounding_slack(x.reshape(-1), largest)
+    inner = (codes > 0) & (codes < 255)
+    assert_within_bound(x.reshape(-1)[inner], y.reshape(-1)[inner], bound[inner])
+    outer = ~inner
+    if bool(outer.any()):
+        assert_decodes_to_bucket_means(x.reshape(-1)[outer], codes[outer], y.reshape(-1)[outer], flat.abs().max())
 
 
 def check_bound(codec: Codec, x: torch.Tensor, message: CompressedTensor, y: torch.Tensor) -> None:
@@ -133,8 +168,10 @@ def check_bound(codec: Codec, x: torch.Tensor, message: CompressedTensor, y: tor
         assert_within_bound(x, y, minmax_bound(x, codec.chunk_size, codec.LEVELS))
     elif isinstance(codec, BlockwiseQuantization):
         assert_within_bound(x, y, blockwise_bound(x, codec.block_size))
+    elif isinstance(codec, Uniform8BitQuantization):
+        assert_uniform_bound(codec, x, message, y)
     else:
-        assert_decodes_to_bucket_means(x, message, y)
+        assert_decodes_to_bucket_means(x, codes_of(message), y)
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=codec_ids)
@@ -168,9 +205,11 @@ def test_cpu_tiling_does_not_change_the_message(codec: Codec, dtype: torch.dtype
     tiled = codec.compress(x)
     assert torch.equal(decompress(whole), decoded_whole)
     if isinstance(codec, Uniform8BitQuantization | Quantile8BitQuantization):
-        # same codes; the float64 bucket sums may differ in the last bit (another summation order)
+        # same codes; the bucket sums may differ in the last bit (another summation order): the quantile
+        # codec's are float64, the uniform codec's (of its two outer buckets) are float32 for float32 values
         assert torch.equal(codes_of(whole), codes_of(tiled))
-        assert torch.allclose(decompress(tiled), decoded_whole, rtol=1e-12, atol=0)
+        float32_sums = isinstance(codec, Uniform8BitQuantization) and dtype != torch.float64
+        assert torch.allclose(decompress(tiled), decoded_whole, rtol=1e-6 if float32_sums else 1e-12, atol=0)
     else:
         assert torch.equal(whole.payload, tiled.payload)
 
@@ -201,22 +240,49 @@ def test_codebook_codecs_beat_hivemind_error_on_normal_data(codec: Codec) -> Non
     assert float((x - y).norm() / centered.norm()) <= EXPECTED_RELATIVE_ERROR[type(codec).__name__]
 
 
-def test_uniform_buckets_have_the_documented_width() -> None:
+def codebook_of(message: CompressedTensor) -> torch.Tensor:
+    return message.payload[: 256 * stats_itemsize(message.dtype)].view(stats_dtype(message.dtype)).double()
+
+
+def test_uniform_inner_buckets_decode_to_evenly_spaced_midpoints() -> None:
     codec = Uniform8BitQuantization()
     x = normal((1 << 20,), seed=4)
     message = codec.compress(x)
-    codes = codes_of(message)
-    inner = (codes > 0) & (codes < 255)
-    spread_low = torch.full((256,), math.inf, dtype=torch.float64).scatter_reduce(0, codes, x.double(), "amin")
-    spread_high = torch.full((256,), -math.inf, dtype=torch.float64).scatter_reduce(0, codes, x.double(), "amax")
-    used = torch.bincount(codes, minlength=256) > 0
-    widths = (spread_high - spread_low)[used & (torch.arange(256) > 0) & (torch.arange(256) < 255)]
-    step = codec.range_in_sigmas * x.double().std() / 256
-    assert bool((widths <= step * 1.05).all())  # the std is estimated from a sample
-    # inner values decode within one step (docstring bound); the bucket range is mean +- 4 std
+    codes, codebook = codes_of(message), codebook_of(message)
+    step = float(codec.range_in_sigmas * x.double().std() / 256)
+    # codes 1..254 decode to mean + (code - 128) * step: evenly spaced (the std is estimated from a sample)
+    spacing = codebook[1:255].diff()
+    assert abs(float(spacing.mean()) / step - 1) < 0.02
+    assert float(spacing.max() - spacing.min()) < 1e-4 * step
+    assert abs(float(codebook[128] - x.double().mean())) < 2 * step  # the mean too is estimated from a sample
+    # each inner value is within half a step of its midpoint; the bucket range is mean +- 4 std
     y = decompress(message)
-    assert bool(((x - y).abs()[inner] <= step * 1.05).all())
-    assert 0 < int((codes == 0).sum()) < x.numel() * 1e-3
+    inner = (codes > 0) & (codes < 255)
+    slack = rounding_slack(x, x.abs().max())  # float32 rounding of the values and midpoints
+    assert bool(((x.double() - y.double()).abs() <= float(spacing.max()) / 2 + slack)[inner].all())
+    for outer in (0, 255):
+        assert 0 < int((codes == outer).sum()) < x.numel() * 1e-3
+
+
+def test_uniform_outer_buckets_absorb_outliers_as_means() -> None:
+    x = normal((100_000,), seed=11)
+    x[[5, 500, 50_000]] = torch.tensor([1e4, 3e4, -2e4])
+    message, y = round_trip(Uniform8BitQuantization(), x)
+    codes = codes_of(message)
+    assert codes[5] == codes[500] == 255 and codes[50_000] == 0
+    top, bottom = codes == 255, codes == 0
+    assert torch.allclose(y[5], x[top].double().mean().float(), rtol=1e-6)
+    assert torch.allclose(y[50_000], x[bottom].double().mean().float(), rtol=1e-6)
+    check_bound(Uniform8BitQuantization(), x, message, y)
+
+
+def test_uniform_empty_outer_buckets_stay_within_the_values() -> None:
+    x = torch.linspace(-1, 1, 10_001)  # std 0.58: mean +- 4 std covers every value, the outer buckets are empty
+    message, y = round_trip(Uniform8BitQuantization(), x)
+    codes, codebook = codes_of(message), codebook_of(message)
+    assert int(((codes == 0) | (codes == 255)).sum()) == 0
+    assert float(codebook.min()) == -1 and float(codebook.max()) == 1  # midpoints beyond the values are clamped
+    check_bound(Uniform8BitQuantization(), x, message, y)
 
 
 def test_quantile_codes_are_monotone_and_buckets_balanced() -> None:
@@ -455,11 +521,11 @@ def test_blockwise_bound_holds_for_arbitrary_values(values: list[float], block_s
 
 @settings(max_examples=40, deadline=None)
 @given(values=st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=300))
-def test_codebook_codecs_decode_to_bucket_means_for_arbitrary_values(values: list[float]) -> None:
+def test_codebook_codecs_bounds_hold_for_arbitrary_values(values: list[float]) -> None:
     x = torch.tensor(values, dtype=torch.float32)
-    for codec in (Uniform8BitQuantization(), Quantile8BitQuantization()):
+    for codec in (Uniform8BitQuantization(), Uniform8BitQuantization(range_in_sigmas=1), Quantile8BitQuantization()):
         message, y = round_trip(codec, x)
-        assert_decodes_to_bucket_means(x, message, y)
+        check_bound(codec, x, message, y)
 
 
 @cuda_only

@@ -269,6 +269,13 @@ class Uniform8BitQuantization(_CodebookQuantization):
         tiles = tile_slices(x.numel(), self.BLOCK_SIZE, x.device)
         y_tile, clamped_tile = torch.empty(2, tiles[0].stop - tiles[0].start, dtype=x.dtype, device=x.device)
         narrow = torch.empty_like(y_tile, dtype=torch.int16) if on_cpu else None
+        # every entry as the y of its bucket's midpoint mapped back, x = (y - bias) / scale, and clamped to
+        # [min x, max x], which holds every value of every bucket: never a larger error, and never an
+        # overflow to Inf (the midpoint of an empty bucket of float64 values near the limit). Host data is
+        # copied to the device before the loop, where the copies need not wait for its kernels.
+        codebook = [min(max((k + 0.5 - bias) / scale, low), high) for k in range(CODEBOOK_SIZE)]
+        codebook = torch.tensor(codebook, dtype=torch.float64, device=x.device)
+        offsets = torch.tensor([1 - bias, top - bias], dtype=torch.float64, device=x.device)
         bias_tensor = torch.tensor(bias, dtype=x.dtype, device=x.device)
         sums, counts = [], []  # per tile: [sum of y - 1 over code 0, of y - top over code 255], their counts
         for tile in tiles:
@@ -282,13 +289,8 @@ class Uniform8BitQuantization(_CodebookQuantization):
             below, above = torch.clamp(outer, max=1).sub_(1), torch.clamp(outer, min=top).sub_(top)
             sums.append(torch.stack([below.sum(), above.sum()]).double())
             counts.append(torch.stack([torch.count_nonzero(below), torch.count_nonzero(above)]))
-        # every entry as the y of its bucket's midpoint (or mean) mapped back, x = (y - bias) / scale, and
-        # clamped to [min x, max x], which holds every value of every bucket: never a larger error, and
-        # never an overflow to Inf (the midpoint of an empty bucket of float64 values near the limit)
-        codebook = [min(max((k + 0.5 - bias) / scale, low), high) for k in range(CODEBOOK_SIZE)]
-        codebook = torch.tensor(codebook, dtype=torch.float64, device=x.device)
-        outer_means = sum(sums) / sum(counts).clamp_min(1)  # an empty bucket gets its inner border: unused
-        offsets = torch.tensor([1 - bias, top - bias], dtype=torch.float64, device=x.device)
+        # the outer buckets' means, mapped back likewise (an empty bucket gets its inner border: unused)
+        outer_means = sum(sums) / sum(counts).clamp_min(1)
         codebook[[0, -1]] = outer_means.add_(offsets).div_(scale).clamp_(low, high)
         return codebook.to(x.dtype)
 
