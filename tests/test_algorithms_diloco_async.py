@@ -205,6 +205,8 @@ def test_async_abort_resume_and_prompt_shutdown():
             for opt in opts:  # the first step starts the communication thread
                 opt.step(batch_size=1)  # no gradients: the local step changes nothing
             wait_for(lambda: all(impl.rounds >= 2 for impl in impls), 30, "no async rounds")
+            for opt in opts:  # the training thread applies the finished rounds at its next step
+                opt.step(batch_size=1)
             torch.testing.assert_close(params[0].detach(), params[1].detach())
             torch.testing.assert_close(params[0].detach(), torch.full((4,), 0.5))
 
@@ -260,6 +262,9 @@ def test_async_round_keeps_progress_made_during_it():
                 k_total += 1
                 time.sleep(0.01)
             assert impl_a.rounds == impl_b.rounds == 1
+            for param, opt in ((param_a, opt_a), (param_b, opt_b)):  # a step with no gradient applies the round
+                param.grad = torch.zeros_like(param)
+                opt.step(batch_size=1)
             x_a, mean = param_a.detach().clone(), param_b.detach().clone()
             # B's value is the mean of the snapshots: (a - k0 * g + b) / 2
             k0_estimate = torch.dot(a + b - 2 * mean, g) / torch.dot(g, g)

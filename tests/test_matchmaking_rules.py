@@ -104,6 +104,16 @@ def test_too_few_peers_wait_for_the_scheduled_time() -> None:
     assert sizes(plan_groups(DUE, peers(3), config())) == [3]
 
 
+def test_expected_peers_form_one_group_before_the_scheduled_time() -> None:
+    hint = config(target_group_size=None, expected_group_size=3)
+    assert plan_groups(NOT_DUE, peers(2), hint) == []  # not everyone expected is here yet
+    assert sizes(plan_groups(NOT_DUE, peers(3), hint)) == [3]
+    assert sizes(plan_groups(NOT_DUE, peers(5), hint)) == [5]  # more than expected: still one group
+    assert plan_groups(NOT_DUE, peers(3), config(target_group_size=None)) == []  # without the hint: wait
+    with pytest.raises(ConfigurationError):
+        config(target_group_size=None, expected_group_size=0)
+
+
 def test_one_due_peer_is_enough_to_end_the_wait() -> None:
     looking = [*peers(2), declaration(2, ready_at=DUE - 1)]
     assert sizes(plan_groups(150.0, looking, config())) == [3]

@@ -357,6 +357,7 @@ class DecentralizedAverager:
         allow_retries: bool = True,
         require_trigger: bool = False,
         wait: bool = True,
+        expected_group_size: int | None = None,
     ) -> dict[Any, Any] | StepControl:
         """Finds a group and averages with it once.
 
@@ -367,6 +368,8 @@ class DecentralizedAverager:
         :param timeout: give up if no group is found within this many seconds
         :param allow_retries: on a failed round, look for another group until ``timeout``
         :param require_trigger: wait for ``control.allow_allreduce()`` before the all-reduce (needs wait=False)
+        :param expected_group_size: how many peers to expect (without ``target_group_size``): the group
+          forms as soon as that many are looking, instead of at ``scheduled_time``
         :param wait: block until done and return the gathered data; else return a StepControl
         :raises MatchmakingError, AllreduceError: (with wait=True) when the step fails
         """
@@ -384,7 +387,12 @@ class DecentralizedAverager:
         if scheduled_time is None:
             scheduled_time = min(now + self.matchmaking_config.min_matchmaking_time, deadline - 1e-3)
         control = StepControl(
-            scheduled_time=scheduled_time, deadline=deadline, allow_retries=allow_retries, weight=weight, gather=gather
+            scheduled_time=scheduled_time,
+            deadline=deadline,
+            allow_retries=allow_retries,
+            weight=weight,
+            gather=gather,
+            expected_group_size=expected_group_size,
         )
         if not require_trigger:
             control.allow_allreduce()
@@ -418,7 +426,9 @@ class DecentralizedAverager:
         control.stage = AveragingStage.LOOKING_FOR_GROUP
         async with self._looking:
             group = await self._matchmaker.look_for_group(
-                deadline=control.deadline, scheduled_time=control.scheduled_time
+                deadline=control.deadline,
+                scheduled_time=control.scheduled_time,
+                expected_group_size=control.expected_group_size,
             )
         if not control.triggered:
             control.stage = AveragingStage.AWAITING_TRIGGER

@@ -33,9 +33,17 @@ class StepControl(concurrent.futures.Future):
     """
 
     def __init__(
-        self, *, scheduled_time: float, deadline: float, allow_retries: bool, weight: float, gather: Any
+        self,
+        *,
+        scheduled_time: float,
+        deadline: float,
+        allow_retries: bool,
+        weight: float,
+        gather: Any,
+        expected_group_size: int | None = None,
     ) -> None:
         super().__init__()
+        self.expected_group_size = expected_group_size  # see MatchmakingConfig.expected_group_size
         if not deadline > scheduled_time:
             raise ConfigurationError(f"scheduled time {scheduled_time} does not fit before the deadline {deadline}")
         check_weight(weight)

@@ -61,6 +61,10 @@ class MatchmakingConfig:
     :param client_mode: this peer accepts no incoming connections (it owns no all-reduce part).
     :param auxiliary: this peer brings no tensors and only helps to reduce.
     :param bandwidth: declared to the group for load balancing; ``None``: the group's mean.
+    :param expected_group_size: with ``target_group_size=None``, how many peers this one expects
+        (e.g. the live peers of a training run): as soon as that many are looking, they form one
+        group at once instead of waiting for the scheduled time. A hint: a wrong value only delays
+        or hastens the group, the leader's seal keeps members consistent.
     """
 
     prefix: str
@@ -72,6 +76,7 @@ class MatchmakingConfig:
     client_mode: bool = False
     auxiliary: bool = False
     bandwidth: float | None = None
+    expected_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
@@ -84,6 +89,12 @@ class MatchmakingConfig:
             raise ConfigurationError(f"bandwidth must be None or a finite non-negative number, got {self.bandwidth!r}")
 
     def _check_group_sizes(self) -> None:
+        if self.expected_group_size is not None and (
+            not _is_int(self.expected_group_size) or self.expected_group_size < 1
+        ):
+            raise ConfigurationError(
+                f"expected_group_size must be None or a positive integer, got {self.expected_group_size!r}"
+            )
         if not _is_int(self.min_group_size) or self.min_group_size < 1:
             raise ConfigurationError(f"min_group_size must be a positive integer, got {self.min_group_size!r}")
         if self.target_group_size is None:
@@ -247,6 +258,9 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
         groups = min(-(-count // target), count // config.min_group_size)
         chosen = ranked[: min(count, groups * target)]
     else:
+        expected = config.expected_group_size
+        if config.target_group_size is None and expected is not None and count >= max(expected, config.min_group_size):
+            return [tuple(sorted(ranked, key=_member_order))]  # everyone expected is here: one group, now
         groups, rest = divmod(count, target)
         if config.target_group_size is None or 0 < rest < config.min_group_size:
             return []  # no group is full yet, or forming the full ones would strand the rest

@@ -96,6 +96,7 @@ Failure modes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
@@ -136,7 +137,9 @@ class Matchmaker:
         self._key = board_key(config.prefix)
         self._busy = False
 
-    async def look_for_group(self, *, deadline: float, scheduled_time: float | None = None) -> GroupInfo:
+    async def look_for_group(
+        self, *, deadline: float, scheduled_time: float | None = None, expected_group_size: int | None = None
+    ) -> GroupInfo:
         """Wait until this peer is committed to a group, and return it.
 
         :param deadline: DHT time (``hivemind.utils.get_dht_time()``) at which to give up.
@@ -150,9 +153,13 @@ class Matchmaker:
         if self._busy:
             raise MatchmakingError("look_for_group is already running for this matchmaker")
         self._busy = True
+        config = self.config
         try:
+            if expected_group_size is not None and expected_group_size != config.expected_group_size:
+                self.config = dataclasses.replace(config, expected_group_size=expected_group_size)
             return await self._look(self._declaration(deadline, scheduled_time))
         finally:
+            self.config = config
             self._busy = False
 
     def _declaration(self, deadline: float, scheduled_time: float | None) -> Declaration:

@@ -18,6 +18,7 @@ state from their peers at their next step, which brings their parameters back in
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -59,7 +60,7 @@ from hivemind_ext.optim.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
 
-HURRY_MARGIN = 0.25  # seconds: a pre-scheduled search this far from ready is restarted when the epoch ends
+ROUND_POLL_SECONDS = 0.1  # while waiting for a gradient round: how often to check the swarm's epoch
 ROUND_FAILURES = (MatchmakingError, AllreduceError, DeadlineExceededError)
 
 
@@ -73,6 +74,15 @@ def state_prefix(run_id: str) -> str:
 
 def progress_prefix(run_id: str) -> str:
     return run_id  # the tracker stores under f"{run_id}_progress", as hivemind's does
+
+
+def _chain(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
+    def job() -> None:
+        first()
+        if then is not None:
+            then()
+
+    return job
 
 
 def gathered_epochs(gathered: Any) -> set[int]:
@@ -494,10 +504,13 @@ class Optimizer(torch.optim.Optimizer):
         eta = self.tracker.estimated_next_update_time
         if eta - now > self.config.matchmaking_time:
             return
-        scheduled = max(eta, now + 0.05)
+        # the group forms at the scheduled time with whoever is looking: late enough that peers that
+        # entered this epoch a little late are in (a full target_group_size forms at once)
+        scheduled = max(eta, now + self.config.matchmaking_time)
         logger.log(self.status_loglevel, f"pre-scheduling the gradient round in {scheduled - now:.2f} s")
         self._scheduled_grads = self.grad_averager.schedule_step(
-            scheduled_time=scheduled, timeout=self.config.averaging_timeout + (scheduled - now)
+            scheduled_time=scheduled,
+            timeout=self.config.averaging_timeout + (scheduled - now),
         )
 
     # ----- the end of an epoch
@@ -505,6 +518,11 @@ class Optimizer(torch.optim.Optimizer):
     def _end_epoch(self, grad_scaler: GradScaler | None) -> None:
         started = time.perf_counter()
         # no pause_updates() here: the tracker keeps publishing, so peers see this epoch's final count
+        average_state = self._should_average_state(max(self.local_epoch + 1, self.tracker.global_progress.epoch))
+        # the state round snapshots the parameters after this epoch's optimizer step on every peer (a
+        # delayed step runs it in the background job, right after the step), or peers would average
+        # parameters taken before the step on some and after it on others, and drift apart
+        begin_state_round = self._begin_state_round if average_state else None
         if self.grad_averager is not None:
             self._wait_background()  # the buffers and the optimizer must be free
             control, self._scheduled_grads = self._scheduled_grads, None
@@ -513,17 +531,23 @@ class Optimizer(torch.optim.Optimizer):
             if self._swarm_averaged_without_us(control):
                 self._skip_round(control)
             else:
-                self._average_and_step(control, grad_scaler)
+                self._average_and_step(control, grad_scaler, then=begin_state_round)
+        elif begin_state_round is not None:
+            begin_state_round()
         next_epoch = max(self.local_epoch + 1, self.tracker.global_progress.epoch)
         with self._state_lock:
             self.state_manager.set_epoch(next_epoch)
-        self._maybe_average_state(next_epoch)
+        if average_state and not self.config.delay_state_averaging and not self._background.pending:
+            self.state_averager.apply_round(wait=self.config.averaging_timeout + self.config.matchmaking_time + 1.0)
         self.tracker.update_epoch(next_epoch)
         self.state_averager.state_sharing_priority = next_epoch
         self.blocked_seconds += time.perf_counter() - started
 
-    def _average_and_step(self, control: StepControl | None, grad_scaler: GradScaler | None) -> None:
-        """This epoch's gradient round (or a solo step), then the optimizer step, now or in the background."""
+    def _average_and_step(
+        self, control: StepControl | None, grad_scaler: GradScaler | None, *, then: Callable[[], None] | None
+    ) -> None:
+        """This epoch's gradient round (or a solo step), then the optimizer step, now or in the background;
+        ``then`` runs right after the optimizer step (in the background job for delayed steps)."""
         assert self.grad_averager is not None
         config = self.config
         found_inf = grad_scaler is not None and config.reuse_grad_buffers and grad_scaler.unscale_and_check(self)
@@ -532,22 +556,26 @@ class Optimizer(torch.optim.Optimizer):
             self.grad_averager.reset_accumulated_grads_()
         if self._alone(control):
             self._step_alone(control, found_inf=found_inf)
-        elif config.delay_grad_averaging:
+            return  # alone: no state round either
+        if config.delay_grad_averaging:
             control = self._begin_gradient_round(control, zero_weight=found_inf)
-            self._background.submit(lambda: self._finish_gradient_round(control, apply=not found_inf))
-        else:
-            control = self._begin_gradient_round(control, zero_weight=found_inf)
-            averaged = self._wait_gradient_round(control)
-            if config.delay_optimizer_step:
-                self._background.submit(lambda: self._apply_averaged_gradients(publish=False))
-            elif averaged or not found_inf:
-                self._apply_averaged_gradients(publish=True)
+            self._background.submit(_chain(lambda: self._finish_gradient_round(control, apply=not found_inf), then))
+            return
+        control = self._begin_gradient_round(control, zero_weight=found_inf)
+        averaged = self._wait_gradient_round(control)
+        if config.delay_optimizer_step:
+            self._background.submit(_chain(lambda: self._apply_averaged_gradients(publish=False), then))
+            return
+        if averaged or not found_inf:
+            self._apply_averaged_gradients(publish=True)
+        if then is not None:
+            then()
 
     def _swarm_averaged_without_us(self, control: StepControl | None) -> bool:
         """Another peer already finished this epoch's round and this one never found its group: a new
         search could only wait out ``averaging_timeout``."""
-        if self.tracker.global_progress.epoch <= self.local_epoch:
-            return False
+        if self.config.delay_grad_averaging or self.tracker.global_progress.epoch <= self.local_epoch:
+            return False  # (with delayed averaging, peers move to the next epoch before their round ends)
         return control is None or control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 
     def _skip_round(self, control: StepControl | None) -> None:
@@ -593,19 +621,10 @@ class Optimizer(torch.optim.Optimizer):
     def _begin_gradient_round(self, control: StepControl | None, *, zero_weight: bool) -> StepControl:
         assert self.grad_averager is not None
         samples = self.grad_averager.local_samples_accumulated
-        now = get_dht_time()
-        if (
-            control is not None
-            and control.stage == AveragingStage.LOOKING_FOR_GROUP
-            and control.scheduled_time > now + HURRY_MARGIN
-        ):
-            # the epoch ended before the estimate: look again, ready now, so the group forms with the peers
-            # already looking instead of at the estimated time (while they keep accumulating samples)
-            control.cancel()
-            control = self.grad_averager.schedule_step(scheduled_time=now, timeout=self.config.averaging_timeout)
-        elif control is None:
+        if control is None:
             control = self.grad_averager.schedule_step(
-                scheduled_time=now + self.config.matchmaking_time, timeout=self.config.averaging_timeout
+                scheduled_time=get_dht_time() + self.config.matchmaking_time,
+                timeout=self.config.averaging_timeout,
             )
         with contextlib.suppress(RuntimeError):  # too late to change the weight: the round has begun
             control.weight = 0.0 if zero_weight else float(samples)
@@ -615,14 +634,19 @@ class Optimizer(torch.optim.Optimizer):
         self.grad_averager.step(control=control, weight=0.0 if zero_weight else float(samples), wait=False)
         return control
 
-    def _wait_gradient_round(self, control: StepControl) -> bool:
+    def _wait_gradient_round(self, control: StepControl, *, in_background: bool = False) -> bool:
         try:
-            gathered = control.result(max(control.deadline - get_dht_time(), 0.0) + 1.0)
+            gathered = self._round_result(control, watch_swarm=not in_background)
         except ROUND_FAILURES as e:
             logger.warning(f"averaging gradients failed ({e}): proceeding with local gradients")
             self._resync = self.tracker.global_progress.num_peers > 1
             return False
-        except (TimeoutError, HivemindExtError) as e:
+        except (
+            TimeoutError,
+            concurrent.futures.TimeoutError,
+            concurrent.futures.CancelledError,
+            HivemindExtError,
+        ) as e:
             control.cancel()
             logger.warning(f"averaging gradients did not finish ({e!r}): proceeding with local gradients")
             self._resync = self.tracker.global_progress.num_peers > 1
@@ -639,9 +663,27 @@ class Optimizer(torch.optim.Optimizer):
             self._resync = True
         return True
 
+    def _round_result(self, control: StepControl, *, watch_swarm: bool) -> Any:
+        """The round's gathered data. While this peer still looks for a group, it gives up as soon as the
+        swarm has finished this epoch without it (instead of waiting out ``averaging_timeout``)."""
+        give_up = control.deadline + 1.0
+        while True:
+            try:
+                return control.result(min(ROUND_POLL_SECONDS, max(give_up - get_dht_time(), 0.0)))
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                if get_dht_time() >= give_up:
+                    raise
+            if (
+                watch_swarm
+                and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+                and self.tracker.global_progress.epoch > self.local_epoch
+            ):
+                control.cancel()
+                raise MatchmakingError("the swarm finished this epoch's round without this peer")
+
     def _finish_gradient_round(self, control: StepControl, *, apply: bool) -> None:
         """Background job (delay_grad_averaging): wait for the round, then step on its result."""
-        self._wait_gradient_round(control)
+        self._wait_gradient_round(control, in_background=True)
         if apply:
             self._apply_averaged_gradients(publish=False)
 
@@ -683,21 +725,21 @@ class Optimizer(torch.optim.Optimizer):
             self.tracker.update_epoch(next_epoch)
             self.state_averager.state_sharing_priority = next_epoch
 
-    def _maybe_average_state(self, epoch: int) -> None:
+    def _should_average_state(self, epoch: int) -> bool:
         config = self.config
         if config.auxiliary or self.tracker.global_progress.num_peers < 2 or epoch % config.average_state_every:
-            return
-        if self.state_averager.round_in_progress:
-            return
-        # a round that finished after this step's start has not been applied yet: begin_round would
-        # replace it, and its average would be lost (peers with local updates would drift apart)
-        self.state_averager.apply_round(wait=0.0)
+            return False
+        return not self.state_averager.has_round
+
+    def _begin_state_round(self) -> None:
+        """Starts a state averaging round (its result is applied by the training thread, in step())."""
+        config = self.config
+        if self.state_averager.has_round:
+            return  # one still runs, or it finished and step() has not applied it yet (starting would lose it)
         self.state_averager.begin_round(
             timeout=config.averaging_timeout + config.matchmaking_time,
             scheduled_time=get_dht_time() + config.matchmaking_time,
         )
-        if not config.delay_state_averaging:
-            self.state_averager.apply_round(wait=config.averaging_timeout + 1.0)
 
     def _collect_background_work(self, wait: bool) -> None:
         """Publishes a finished delayed step and applies a finished state round."""

@@ -48,6 +48,11 @@ class TrainingStateAverager(DecentralizedAverager):
             return self.training_state.snapshot()
 
     @property
+    def has_round(self) -> bool:
+        """A round was begun and not yet applied (or discarded) by ``apply_round``."""
+        return self._round is not None
+
+    @property
     def round_in_progress(self) -> bool:
         return self._round is not None and not self._round.done()
 

@@ -4,13 +4,14 @@ averaging with peers in a background thread, neither waiting for the other.
 The computation side: every ``step()`` applies the wrapped torch optimizer to the local gradients.
 The communication side: a thread owned by the implementation averages the parameters with whichever
 peers are averaging too, every ``sync_interval_seconds``. Both hold the Optimizer's ``state_lock``
-while they touch the parameters, but the communication thread holds it only to take a snapshot and
-to apply the result, never during the network round, so training goes on meanwhile. The progress made
-during a round is kept::
+while they touch the parameters; the communication thread holds it only to take a snapshot, never
+during the network round, so training goes on meanwhile. The result is applied by the training
+thread at its next ``step()`` (a write from the communication thread could land between the user's
+forward and backward passes). The progress made during a round is kept::
 
-    snapshot = x                              # under the lock, at the start of the round
+    snapshot = x                              # communication thread, under the lock
     avg      = weighted mean over peers of their snapshots (network, no lock)
-    x       += avg - snapshot                 # under the lock: the steps taken meanwhile stay
+    x       += avg - snapshot                 # training thread, next step(), under the lock
 
 ``abort()`` stops the communication thread (e.g. before evaluation), ``resume()`` starts it again;
 ``shutdown()`` stops it with bounded waits. Every peer weighs 1 (a plain model average, as in Bagua).
@@ -108,6 +109,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None  # the running thread's own stop flag
         self._control: StepControl | None = None
+        self._pending: list[torch.Tensor] | None = None  # a finished round's update, not applied yet
         self._aborted = False  # abort() was called: on_backward does not (re)start the thread
         self._closed = False
 
@@ -119,6 +121,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
     def on_backward(self, batch_size: int) -> None:
         grads = [p.grad for p in self.context.params]
         with self._lock:
+            self._apply_pending_average()
             self._state.apply_gradients(grads)
             self._state.copy_to_model()
         self.local_steps += 1
@@ -189,8 +192,10 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                 return
 
     def _average_once(self, stop: threading.Event) -> None:
-        with self._lock:
+        with self._lock:  # the model as it will be once the pending update is applied
             snapshot = [p.detach().float().clone() for p in self._params]
+            if self._pending is not None:
+                torch._foreach_add_(snapshot, self._pending)
         with self.averager.get_tensors() as buffers:
             torch._foreach_copy_(list(buffers), snapshot)
         with self._thread_lock:
@@ -228,11 +233,25 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                 self._control = None
         if stop.is_set():
             return  # aborted while the round finished: do not touch the model any more
-        with self._lock, self.averager.get_tensors() as buffers, torch.no_grad():
-            for param, average, before in zip(self._params, buffers, snapshot, strict=True):
-                param.add_((average - before).to(param.dtype))
-            self._state.copy_to_model()
+        with self.averager.get_tensors() as buffers:
+            deltas = [average - before for average, before in zip(buffers, snapshot, strict=True)]
+        with self._lock:
+            # applied by the training thread at its next step(): writing the parameters from here could
+            # change them between the user's forward and backward passes (autograd would refuse them)
+            self._pending = (
+                deltas if self._pending is None else [a + b for a, b in zip(self._pending, deltas, strict=True)]
+            )
         self.rounds += 1
+
+    def _apply_pending_average(self) -> None:
+        """``x += mean(snapshot) - snapshot`` for the last finished round (under the lock)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        with torch.no_grad():
+            for param, delta in zip(self._params, pending, strict=True):
+                param.add_(delta.to(param.dtype))
+            self._state.copy_to_model()
 
     # ----- shutting down
 

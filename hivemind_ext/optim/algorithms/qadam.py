@@ -15,6 +15,9 @@ The update, in both stages::
     x -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * x)
     m_hat = m / (1 - b1**t),  v_hat = v / (1 - b2**min(t, T))
 
+Once ``v`` is frozen, ``v_hat`` is floored at 1% of the tensor's mean (see ``frozen_variance_floor``):
+entries that saw no gradient during warm-up would otherwise step ``m / eps`` and diverge.
+
 Weight decay is DECOUPLED (AdamW's form) whether the wrapped optimizer is Adam or AdamW: in the
 compression stage an L2 term would go into the momentum and through the 8-bit codec, and its
 effect would depend on the frozen ``v``. ``v``'s bias correction counts only the steps that updated
@@ -51,15 +54,19 @@ def adam_update_(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    variance_floor: float = 0.0,
 ) -> None:
-    """``param -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * param)`` in place.
+    """``param -= lr * (m_hat / (sqrt(max(v_hat, variance_floor)) + eps) + weight_decay * param)`` in place.
 
     ``step`` is the bias correction's count for ``exp_avg`` and ``variance_steps`` for ``exp_avg_sq``
     (they differ once ``v`` is frozen). The moments are not changed here.
     """
     beta1, beta2 = betas
     m_hat = exp_avg.float() / (1.0 - beta1**step)
-    denominator = (exp_avg_sq.float() / (1.0 - beta2**variance_steps)).sqrt_().add_(eps)
+    v_hat = exp_avg_sq.float() / (1.0 - beta2**variance_steps)
+    if variance_floor > 0:
+        v_hat.clamp_(min=variance_floor)  # an infinite floor: the tensor does not move
+    denominator = v_hat.sqrt_().add_(eps)
     update = m_hat.div_(denominator)
     if weight_decay:
         update.add_(param.detach().float(), alpha=weight_decay)
@@ -211,6 +218,7 @@ class QAdamImpl(AlgorithmImpl):
                 betas=tuple(group["betas"]),
                 eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]),
+                variance_floor=frozen_variance_floor(entry["exp_avg_sq"]) if self.compressing else 0.0,
             )
             set_step(entry, step)
 
@@ -218,6 +226,20 @@ class QAdamImpl(AlgorithmImpl):
     def step_count_of(entry: dict[str, Any]) -> int:
         step = entry.get("step", 0)
         return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+
+FLOOR_FRACTION = 1e-2
+
+
+def frozen_variance_floor(exp_avg_sq: torch.Tensor) -> float:
+    """The smallest ``v`` used once ``v`` is frozen: a fraction of the tensor's mean ``v``.
+
+    Entries whose gradient was exactly zero through warm-up (dead units, constant inputs) have
+    ``v = 0``; with a frozen ``v`` their first non-zero momentum would step ``m / eps``, about 1e8
+    times too far, and the model would diverge. With the floor they step like a typical entry.
+    A tensor that had no gradient at all through warm-up gets an infinite floor: it does not move."""
+    mean = float(exp_avg_sq.float().mean()) if exp_avg_sq.numel() else 0.0
+    return FLOOR_FRACTION * mean if math.isfinite(mean) and mean > 0 else math.inf
 
 
 def set_step(entry: dict[str, Any], step: int) -> None:
