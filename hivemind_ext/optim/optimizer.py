@@ -504,14 +504,24 @@ class Optimizer(torch.optim.Optimizer):
         eta = self.tracker.estimated_next_update_time
         if eta - now > self.config.matchmaking_time:
             return
-        # the group forms at the scheduled time with whoever is looking: late enough that peers that
-        # entered this epoch a little late are in (a full target_group_size forms at once)
-        scheduled = max(eta, now + self.config.matchmaking_time)
+        # the group forms as soon as every expected peer is looking, else at the scheduled time with
+        # whoever is: late enough that peers that entered this epoch late are still in
+        expected = self._expected_group_size()
+        scheduled = max(eta, now) + self.config.matchmaking_time * (2 if expected else 1)
         logger.log(self.status_loglevel, f"pre-scheduling the gradient round in {scheduled - now:.2f} s")
         self._scheduled_grads = self.grad_averager.schedule_step(
             scheduled_time=scheduled,
             timeout=self.config.averaging_timeout + (scheduled - now),
+            expected_group_size=expected,
         )
+
+    def _expected_group_size(self) -> int | None:
+        """How many peers the next gradient round should have: the last round's group, or more if the
+        tracker sees more peers now. None before the first round (the tracker's count may be short)."""
+        report = self.grad_averager.last_round if self.grad_averager is not None else None
+        if report is None or report.group_size < 2:
+            return None
+        return max(report.group_size, self.tracker.global_progress.num_peers)
 
     # ----- the end of an epoch
 
