@@ -17,7 +17,6 @@ import logging
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -27,20 +26,16 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from hivemind_ext import Optimizer
 from hivemind_ext.averaging.averager import RoundReport
+from hivemind_ext.optim.progress import default_signing_key
 
 LOSS = torch.nn.functional.mse_loss
 FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
-_SIGNING_KEYS: weakref.WeakKeyDictionary[hivemind.DHT, RSAPrivateKey] = weakref.WeakKeyDictionary()
 
 
 def signing_key(dht: hivemind.DHT) -> RSAPrivateKey:
-    """One RSA key per DHT. Progress records live under an ``[owner:<public key>]`` subkey, and
-    the tracker's default key is process-wide: several peers of one process would share one subkey,
-    overwrite each other's record and each see a swarm of one. A DHT keeps the first signing key
-    it is given, so a DHT reused by several tests must get the same key every time."""
-    if dht not in _SIGNING_KEYS:
-        _SIGNING_KEYS[dht] = RSAPrivateKey()
-    return _SIGNING_KEYS[dht]
+    """The key that signs ``dht``'s progress records (the library's own per-DHT default, named here for
+    tests that pass ``tracker_opts={"private_key": ...}`` explicitly, as hivemind users do)."""
+    return default_signing_key(dht)
 
 
 def regression_model(seed: int = 0, in_features: int = 8) -> torch.nn.Module:

@@ -249,10 +249,7 @@ class DecentralizedAverager:
                 raise
 
     async def _start_services(self) -> None:
-        # A replica of the DHT's daemon of our own: dht.replicate_p2p() caches one per process, and
-        # a cached replica's listener dies with the event loop that first registered a handler on it.
-        daemon_maddr = await self.dht.run_coroutine(_daemon_listen_maddr, return_future=True)
-        self._p2p = p2p = await P2P.replicate(daemon_maddr)
+        self._p2p = p2p = await replicate_dht_daemon(self.dht)
         namespace = f"averager.{self.prefix}"
         self._server = RPCServer(p2p, namespace)
         if self._direct_config is not None and not self.client_mode:  # a client-mode peer accepts nothing
@@ -473,6 +470,12 @@ class DecentralizedAverager:
         control = self._awaiting_trigger.get(group_id)
         if control is not None:
             control.mark_groupmate_started()
+
+
+async def replicate_dht_daemon(dht: DHT) -> P2P:
+    """A P2P replica of ``dht``'s libp2p daemon owned by the calling event loop (``dht.replicate_p2p()``
+    caches one per process, whose listener dies with the loop that first registered a handler on it)."""
+    return await P2P.replicate(await dht.run_coroutine(_daemon_listen_maddr, return_future=True))
 
 
 async def _daemon_listen_maddr(_dht: DHT, node: Any) -> Any:

@@ -528,7 +528,7 @@ class Optimizer(torch.optim.Optimizer):
     def _end_epoch(self, grad_scaler: GradScaler | None) -> None:
         started = time.perf_counter()
         # no pause_updates() here: the tracker keeps publishing, so peers see this epoch's final count
-        average_state = self._should_average_state(max(self.local_epoch + 1, self.tracker.global_progress.epoch))
+        average_state = self._should_average_state(self._next_epoch())
         # the state round snapshots the parameters after this epoch's optimizer step on every peer (a
         # delayed step runs it in the background job, right after the step), or peers would average
         # parameters taken before the step on some and after it on others, and drift apart
@@ -544,14 +544,22 @@ class Optimizer(torch.optim.Optimizer):
                 self._average_and_step(control, grad_scaler, then=begin_state_round)
         elif begin_state_round is not None:
             begin_state_round()
-        next_epoch = max(self.local_epoch + 1, self.tracker.global_progress.epoch)
+        next_epoch = self._next_epoch()
         with self._state_lock:
             self.state_manager.set_epoch(next_epoch)
         if average_state and not self.config.delay_state_averaging and not self._background.pending:
             self.state_averager.apply_round(wait=self.config.averaging_timeout + self.config.matchmaking_time + 1.0)
-        self.tracker.update_epoch(next_epoch)
-        self.state_averager.state_sharing_priority = next_epoch
+        self._announce_epoch(next_epoch)
         self.blocked_seconds += time.perf_counter() - started
+
+    def _next_epoch(self) -> int:
+        """The epoch this peer enters when its current one ends (the swarm's, if that is further)."""
+        return max(self.local_epoch + 1, self.tracker.global_progress.epoch)
+
+    def _announce_epoch(self, epoch: int) -> None:
+        """Tells the swarm this peer's epoch: its progress record, and the version its state is shared as."""
+        self.tracker.update_epoch(epoch)
+        self.state_averager.state_sharing_priority = epoch
 
     def _average_and_step(
         self, control: StepControl | None, grad_scaler: GradScaler | None, *, then: Callable[[], None] | None
@@ -728,12 +736,11 @@ class Optimizer(torch.optim.Optimizer):
         if self._runner.step(batch_size):
             self.blocked_seconds += time.perf_counter() - started
         if self.tracker.ready_to_update_epoch:
-            next_epoch = max(self.local_epoch + 1, self.tracker.global_progress.epoch)
+            next_epoch = self._next_epoch()
             with self._state_lock:
                 self.state_manager.set_epoch(next_epoch)
             self._epoch_samples = 0
-            self.tracker.update_epoch(next_epoch)
-            self.state_averager.state_sharing_priority = next_epoch
+            self._announce_epoch(next_epoch)
 
     def _should_average_state(self, epoch: int) -> bool:
         config = self.config
@@ -813,8 +820,7 @@ class Optimizer(torch.optim.Optimizer):
         finally:
             self.blocked_seconds += time.perf_counter() - started
         logger.log(self.status_loglevel, f"loaded the state of epoch {self.local_epoch} from peers")
-        self.tracker.update_epoch(self.local_epoch)
-        self.state_averager.state_sharing_priority = self.local_epoch
+        self._announce_epoch(self.local_epoch)
 
     # ----- shutting down
 

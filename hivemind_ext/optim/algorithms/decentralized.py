@@ -25,8 +25,9 @@ import time
 from typing import Any
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 
+from hivemind_ext.averaging.averager import replicate_dht_daemon
 from hivemind_ext.compression import CompressedTensor, MinMaxUInt8, NoCompression, decompress
 from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import ConfigurationError, HivemindExtError, ProtocolError
@@ -303,9 +304,7 @@ class DecentralizedSGDImpl(AlgorithmImpl):
     # ----- the service (loop thread)
 
     async def _start(self) -> None:
-        dht = self.context.dht
-        maddr = await dht.run_coroutine(_daemon_listen_maddr, return_future=True)
-        self._p2p = await P2P.replicate(maddr)
+        self._p2p = await replicate_dht_daemon(self.context.dht)
         namespace = f"decsgd.{self.context.prefix('x')}"
         limits = Limits(max_payload_bytes=8 * self.numel + (1 << 20))
         config = HandlerConfig(limits=limits, max_timeout=60.0, max_concurrent_calls=64)
@@ -436,7 +435,3 @@ def _decoded(message: Message, numel: int) -> torch.Tensor:
 
 async def _put(queue: asyncio.Queue, item: Any) -> None:
     queue.put_nowait(item)
-
-
-async def _daemon_listen_maddr(_dht: Any, node: Any) -> Any:
-    return node.p2p.daemon_listen_maddr
