@@ -500,6 +500,8 @@ class Optimizer(torch.optim.Optimizer):
         control = self._scheduled_grads
         if control is not None and not control.done():
             return
+        if self._background.busy:
+            return  # the previous round still runs in the background: its group tells whom to expect next
         now = get_dht_time()
         eta = self.tracker.estimated_next_update_time
         if eta - now > self.config.matchmaking_time:
