@@ -8,15 +8,17 @@ Peers run in threads of this process (each with its own DHT and libp2p daemon), 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -210,6 +212,28 @@ def test_late_joiner_downloads_the_state_spread_over_donors_and_trains_in_line(
         assert in_line, f"the newcomer never trained in line with the swarm (epochs {sorted(later)})"
 
 
+@pytest.mark.timeout(60)
+def test_a_peer_ahead_of_every_donor_keeps_its_state(caplog: pytest.LogCaptureFixture) -> None:
+    """A resync (after a failed round) may find only donors that lag behind: going back would lose progress."""
+    caplog.set_level(logging.DEBUG, logger="hivemind_ext.optim.optimizer")
+    with local_swarm(2) as dhts, shutting_down([]) as optimizers:
+        ahead_model, behind_model = make_model(seed=1), make_model(seed=2)
+        ahead = make_optimizer(dhts[0], ahead_model, "ahead", load_state_timeout=5.0)
+        behind = make_optimizer(dhts[1], behind_model, "ahead", load_state_timeout=5.0)
+        optimizers += [ahead, behind]
+        ahead.load_state_dict({**ahead.state_dict(), "local_epoch": 3})
+        params = params_of(ahead_model)
+        wait_for(
+            lambda: ahead.load_state_from_peers() is None and "behind this peer's 3" in caplog.text,
+            15,
+            "the lagging donor's state to be offered and refused",
+        )
+        assert ahead.local_epoch == 3 and same_params(params_of(ahead_model), params, atol=0)
+        behind.load_state_from_peers()  # the other way round, the newer state is taken
+        assert behind.local_epoch == 3
+        assert_same_params(behind_model, ahead_model)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. busy donors
 
@@ -288,9 +312,16 @@ def test_busy_donors_never_make_a_newcomer_time_out() -> None:
 
 def process_peer(index: int, initial_peers: list[str], run_id: str, until_epoch: int, report: Any) -> None:
     """A training peer in its own process: reports ("epoch", index, epoch) as it goes, then
-    ("done", index, epoch, max_step_seconds) or ("error", index, text)."""
+    ("done", index, epoch, max_step_seconds) or ("error", index, text), on ``report``: the write end of
+    a pipe of its own (a process SIGKILLed while writing to a queue shared by several processes can
+    leave its lock taken, and the others could never report again)."""
     try:
         os.setpgrp()  # a process group of its own: SIGKILLed with its DHT and libp2p daemon, as a dead machine
+        faulthandler.register(signal.SIGUSR1, file=open(stack_file(run_id, index, os.getppid()), "w"), all_threads=True)
+        log = logging.FileHandler(stack_file(run_id, index, os.getppid()) + ".log", mode="w")
+        log.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s"))
+        logging.getLogger("hivemind_ext").addHandler(log)
+        logging.getLogger("hivemind_ext").setLevel(logging.DEBUG)
         torch.set_num_threads(1)
         dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=LOOPBACK, start=True)
         model = make_model(seed=0)
@@ -299,46 +330,74 @@ def process_peer(index: int, initial_peers: list[str], run_id: str, until_epoch:
         deadline = time.monotonic() + 90
         while opt.local_epoch < until_epoch and time.monotonic() < deadline:
             trainer.train(opt.local_epoch + 1, deadline=deadline)
-            report.put(("epoch", index, opt.local_epoch))
-        report.put(("done", index, opt.local_epoch, max(trainer.step_seconds)))
+            report.send(("epoch", index, opt.local_epoch))
+        report.send(("done", index, opt.local_epoch, max(trainer.step_seconds)))
         opt.shutdown()
         dht.shutdown()
     except BaseException as e:
-        report.put(("error", index, repr(e)))
+        report.send(("error", index, repr(e)))
         raise
+
+
+def stack_file(run_id: str, index: int, test_pid: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"hivemind_ext-test-{test_pid}-{run_id}-{index}.stacks")
+
+
+def dump_stacks(run_id: str, indices: Sequence[int], processes: Sequence[Any]) -> str:
+    """Asks the peers ``indices`` for their threads' stacks (faulthandler on SIGUSR1): what a hang looked like."""
+    for index in indices:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(processes[index].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    texts = []
+    for index in indices:
+        for suffix, tail in (("", 6000), (".log", 8000)):
+            with contextlib.suppress(OSError), open(stack_file(run_id, index, os.getpid()) + suffix) as f:
+                texts.append(f"--- peer {index}{suffix} ---\n{f.read()[-tail:]}")
+    return "\n".join(texts)
 
 
 @pytest.mark.timeout(120)
 def test_a_killed_peer_never_blocks_the_others() -> None:
     context = multiprocessing.get_context("spawn")
-    report = context.Queue()
     bootstrap = hivemind.DHT(host_maddrs=LOOPBACK, start=True)
-    processes = []
+    processes, readers = [], {}
     until_epoch, kill_at_epoch, victim = 5, 2, 2
     try:
         initial_peers = [str(maddr) for maddr in bootstrap.get_visible_maddrs()]
         for index in range(3):
-            process = context.Process(target=process_peer, args=(index, initial_peers, "killed", until_epoch, report))
+            reader, writer = context.Pipe(duplex=False)
+            process = context.Process(target=process_peer, args=(index, initial_peers, "killed", until_epoch, writer))
             process.start()
+            writer.close()  # the child holds it: the reader sees EOF when the child is gone
             processes.append(process)
+            readers[reader] = index
         results: dict[int, tuple] = {}
         killed_at = None
         give_up = time.monotonic() + 100
         messages: list[tuple] = []
         while len(results) < 2:
-            try:
-                message = report.get(timeout=max(give_up - time.monotonic(), 0.1))
-            except queue.Empty:
-                raise AssertionError(f"the survivors did not finish; last messages: {messages[-6:]}") from None
-            messages.append(message)
-            kind, index = message[0], message[1]
-            assert kind != "error", f"peer {index} failed: {message[2]}"
-            if kind == "epoch" and index == victim and killed_at is None and message[2] >= kill_at_epoch:
-                os.killpg(processes[victim].pid, signal.SIGKILL)  # in the middle of its next epoch
-                killed_at = message[2]
-            elif kind == "done":
-                assert index != victim or killed_at is None, "the victim finished before it could be killed"
-                results[index] = message
+            ready = multiprocessing.connection.wait(list(readers), timeout=max(give_up - time.monotonic(), 0.1))
+            if not ready:
+                stacks = dump_stacks("killed", [i for i in range(3) if i != victim], processes)
+                last = messages[-6:]
+                raise AssertionError(f"the survivors did not finish; last messages: {last}\n{stacks}")
+            for reader in ready:
+                try:
+                    message = reader.recv()
+                except EOFError:
+                    index = readers.pop(reader)
+                    assert index == victim or index in results, f"peer {index} exited early: {messages[-6:]}"
+                    continue
+                messages.append(message)
+                kind, index = message[0], message[1]
+                assert kind != "error", f"peer {index} failed: {message[2]}"
+                if kind == "epoch" and index == victim and killed_at is None and message[2] >= kill_at_epoch:
+                    os.killpg(processes[victim].pid, signal.SIGKILL)  # in the middle of its next epoch
+                    killed_at = message[2]
+                elif kind == "done":
+                    assert index != victim or killed_at is None, "the victim finished before it could be killed"
+                    results[index] = message
         assert killed_at is not None, "the victim never reached the epoch at which it was to be killed"
         for index, (_, _, epoch, max_step) in results.items():
             assert epoch >= until_epoch
@@ -350,6 +409,8 @@ def test_a_killed_peer_never_blocks_the_others() -> None:
             if process.is_alive():
                 process.kill()  # it had not made its own process group yet
             process.join(5)
+        for reader in readers:
+            reader.close()
         bootstrap.shutdown()
 
 

@@ -656,10 +656,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _wait_gradient_round(self, control: StepControl, *, in_background: bool = False) -> bool:
         try:
-            gathered = self._round_result(control, watch_swarm=not in_background)
+            gathered = self.wait_for_round(control, watch_swarm=not in_background)
         except ROUND_FAILURES as e:
             logger.warning(f"averaging gradients failed ({e}): proceeding with local gradients")
-            self._resync = self.tracker.global_progress.num_peers > 1
+            self.resync_after_failed_round()
             return False
         except (
             TimeoutError,
@@ -669,7 +669,7 @@ class Optimizer(torch.optim.Optimizer):
         ) as e:
             control.cancel()
             logger.warning(f"averaging gradients did not finish ({e!r}): proceeding with local gradients")
-            self._resync = self.tracker.global_progress.num_peers > 1
+            self.resync_after_failed_round()
             return False
         report = self.grad_averager.last_round if self.grad_averager is not None else None
         peers = report.group_size if report is not None else len(gathered or {})
@@ -683,9 +683,16 @@ class Optimizer(torch.optim.Optimizer):
             self._resync = True
         return True
 
-    def _round_result(self, control: StepControl, *, watch_swarm: bool) -> Any:
-        """The round's gathered data. While this peer still looks for a group, it gives up as soon as the
-        swarm has finished this epoch without it (instead of waiting out ``averaging_timeout``)."""
+    def resync_after_failed_round(self) -> bool:
+        """After a round this peer could not finish: download the swarm's state at the next step (its
+        local update drifted from the swarm's) if other peers train. Returns whether it will."""
+        self._resync = self._resync or self.tracker.global_progress.num_peers > 1
+        return self._resync
+
+    def wait_for_round(self, control: StepControl, *, watch_swarm: bool = True) -> Any:
+        """The round's gathered data (for algorithm implementations too). While this peer still looks for
+        a group, it gives up as soon as the swarm has finished this epoch without it (instead of waiting
+        out ``averaging_timeout``): MatchmakingError. Never waits past the control's deadline + 1 s."""
         give_up = control.deadline + 1.0
         while True:
             try:
@@ -812,6 +819,15 @@ class Optimizer(torch.optim.Optimizer):
                 logger.log(self.status_loglevel, "no peer shares its state yet: keeping the local state")
                 return
             metadata, tensors = loaded
+            donor_epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+            if isinstance(donor_epoch, int) and donor_epoch < self.local_epoch:
+                # e.g. a resync after a failed round while the other peers lag: going back would lose progress
+                logger.log(
+                    self.status_loglevel,
+                    f"the newest state that peers share is of epoch {donor_epoch}, behind this peer's "
+                    f"{self.local_epoch}: keeping the local state",
+                )
+                return
             with self._state_lock:
                 self.state_manager.load(metadata, tensors)
                 if self._runner is not None:

@@ -5,11 +5,14 @@ Average operations at one position of the buckets' pipelines form one all-reduce
 keeps one :class:`~hivemind_ext.averaging.DecentralizedAverager` per (stage, position) over those
 buckets' fused buffers, each bucket compressed with its own codec (PerTensorCompression keyed by
 bucket name). A round that fails leaves the buckets' local values in place (logged): the model is
-then updated from local values, as the Optimizer does with local gradients.
+then updated from local values, as the Optimizer does with local gradients, and, when other peers
+train, the peer downloads the swarm's state at its next step so that it does not drift apart. A peer
+still looking for a group when the swarm has finished the epoch without it gives up at once.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Sequence
 
@@ -18,10 +21,13 @@ from hivemind.utils import get_dht_time
 from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.compression import CompressionInfo, NoCompression, PerTensorCompression
 from hivemind_ext.compression.resolve import as_codec
-from hivemind_ext.errors import AllreduceError, ConfigurationError, DeadlineExceededError, MatchmakingError
+from hivemind_ext.errors import ConfigurationError, HivemindExtError
 from hivemind_ext.optim.algorithms.base import AlgorithmImpl, AverageOp, Bucket
 
 logger = logging.getLogger(__name__)
+
+# what waiting for a round that did not finish raises; the peer then keeps its local values
+ROUND_ERRORS = (HivemindExtError, TimeoutError, concurrent.futures.TimeoutError, concurrent.futures.CancelledError)
 
 
 class AlgorithmRunner:
@@ -88,16 +94,27 @@ class AlgorithmRunner:
             bucket.pack()
         optimizer = self.context.optimizer
         config = optimizer.config
-        now = get_dht_time()
+        # the group forms as soon as every peer the swarm reports is looking, else at the scheduled
+        # time with whoever is (peers reach the epoch's end up to a tracker refresh apart)
+        expected = self._expected_group_size(averager)
+        control = averager.step(
+            weight=weight,
+            scheduled_time=get_dht_time() + config.matchmaking_time * (2 if expected else 1),
+            timeout=config.averaging_timeout,
+            expected_group_size=expected,
+            wait=False,
+        )
         try:
-            averager.step(
-                weight=weight,
-                scheduled_time=now + config.matchmaking_time,
-                timeout=config.averaging_timeout,
-            )
-        except (MatchmakingError, AllreduceError, DeadlineExceededError) as e:
+            optimizer.wait_for_round(control)
+        except ROUND_ERRORS as e:
+            if not control.done():
+                control.cancel()
             self.failed_rounds += 1
-            logger.warning(f"averaging failed ({e}): proceeding with local values")
+            resync = optimizer.resync_after_failed_round()
+            logger.warning(
+                f"averaging failed ({e!r}): proceeding with local values"
+                + ("; the state will be downloaded from peers at the next step" if resync else "")
+            )
             self.impl.on_average_result(False, None)
             return
         self.rounds += 1
@@ -107,6 +124,12 @@ class AlgorithmRunner:
             for bucket in buckets:
                 bucket.unpack()
         self.impl.on_average_result(True, averager.last_round)
+
+    def _expected_group_size(self, averager: DecentralizedAverager) -> int | None:
+        """The larger of this averager's last group and the peers the tracker sees; None if below 2."""
+        last = averager.last_round.group_size if averager.last_round is not None else 0
+        expected = max(last, self.context.optimizer.tracker.global_progress.num_peers)
+        return expected if expected >= 2 else None
 
     def _averager(self, position: int, buckets: list[Bucket]) -> DecentralizedAverager:
         key = (self.stage, position)
