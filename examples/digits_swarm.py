@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -145,6 +145,8 @@ class PeerStats:
     samples: int = 0
     train_seconds: float = 0.0
     step_seconds: float = 0.0  # time spent inside opt.step(): waiting for peers, averaging, updating
+    # per epoch this peer ended: the samples its group averaged (hivemind_ext's opt.last_epoch_samples)
+    averaged_samples: list[int] = field(default_factory=list)
     loss: float = math.nan  # exponential moving average of the training loss
 
     @property
@@ -229,9 +231,12 @@ def train_peer(
             loss.backward()
             if config.compute_time[1] > 0:  # stands in for a bigger model or a slower device
                 time.sleep(rng.uniform(*config.compute_time))
-            step_started = time.perf_counter()
+            step_started, epoch_before = time.perf_counter(), opt.local_epoch
             opt.step(batch_size=batch_size)
             stats.step_seconds += time.perf_counter() - step_started
+            averaged = getattr(opt, "last_epoch_samples", None)  # hivemind.Optimizer has no such figure
+            if opt.local_epoch == epoch_before + 1 and averaged:
+                stats.averaged_samples.append(int(averaged))
             opt.zero_grad()
 
             stats.steps += 1
@@ -254,6 +259,7 @@ def train_peer(
                 "accuracy": accuracy(model, data.test_x, data.test_y),
                 "steps": stats.steps,
                 "samples": stats.samples,
+                "averaged_samples": stats.averaged_samples,
                 "train_seconds": stats.train_seconds,
                 "step_seconds": stats.step_seconds,
                 "blocked_fraction": stats.blocked_fraction,
