@@ -266,7 +266,12 @@ def test_qadam_warmup_is_adamw_and_then_momentum_moves_with_a_frozen_variance() 
                 v[i] = beta2 * v[i] + (1 - beta2) * g * g
             m_hat = m[i] / (1 - beta1**t)
             v_hat = v[i] / (1 - beta2 ** min(t, warmup))
-            x[i] = x[i] - adam["lr"] * (m_hat / (v_hat.sqrt() + adam["eps"]) + adam["weight_decay"] * x[i])
+            if t > warmup:  # frozen v: floored at 1% of the mean v_hat
+                v_hat = v_hat.clamp(min=0.01 * v_hat.mean().item())
+            update = m_hat / (v_hat.sqrt() + adam["eps"])
+            if t > warmup:  # max_update=1: no entry steps more than lr (before weight decay)
+                update = update.clamp(-1.0, 1.0)
+            x[i] = x[i] - adam["lr"] * (update + adam["weight_decay"] * x[i])
         if t <= warmup:  # warm-up = torch's AdamW, exactly
             set_grads(reference, grads)
             adamw.step()
