@@ -135,7 +135,12 @@ class RPCServer:
         self._routes[name] = route
 
         async def on_stream(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._serve(route, info, reader, writer)
+            try:
+                await self._serve(route, info, reader, writer)
+            except asyncio.CancelledError:
+                # a call cut short by shutdown. Nobody awaits this task: asyncio's stream callback would
+                # log a cancelled one as "Exception in callback ... CancelledError". End it quietly.
+                return
 
         try:
             await wait_until(
