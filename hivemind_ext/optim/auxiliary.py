@@ -51,11 +51,12 @@ class AuxiliaryPeer:
 
     def step(self, max_wait: float = 1.0) -> None:
         """One turn of the loop: (pre)schedule the next round, trigger it when the swarm is ready,
-        collect a finished one. Returns within about ``max_wait`` seconds."""
-        give_up = time.monotonic() + max_wait
+        collect a finished one. Returns within about ``max_wait`` seconds, or once a round finished
+        (so that callers that count rounds, as ``max_rounds`` does, see each one)."""
+        give_up, rounds = time.monotonic() + max_wait, self.rounds_joined
         while True:
             self._turn()
-            if time.monotonic() >= give_up:
+            if time.monotonic() >= give_up or self.rounds_joined != rounds:
                 return
             time.sleep(min(0.05, max(give_up - time.monotonic(), 0)))
 
