@@ -111,6 +111,39 @@ def test_direct_data_path_mixed_with_libp2p_peers_reaches_the_mean(swarm: list[h
         shutdown_all(group)
 
 
+def test_rounds_reuse_their_scratch_tensors_and_overlapping_rounds_never_share_them(
+    swarm: list[hivemind.DHT],
+) -> None:
+    group = averagers(swarm[:2], fresh_prefix())
+    try:
+        originals = [make_tensors(seed) for seed in range(2)]
+        step_all(group)
+        scratch = [averager._scratch for averager in group]  # white-box: kept for the next round
+        assert all(buffers is not None for buffers in scratch)
+        with group[0].get_tensors() as tensors:
+            for tensor in tensors:  # new local values between rounds: the next round averages them
+                tensor.mul_(3)
+        step_all(group)
+        for index, (mine, other) in enumerate(zip(*originals, strict=True)):
+            mean = (mine + other) / 2
+            expected = (3 * mean + mean) / 2
+            for averager in group:
+                with averager.get_tensors() as tensors:
+                    torch.testing.assert_close(tensors[index], expected, rtol=1e-5, atol=1e-6)
+        for averager, buffers in zip(group, scratch, strict=True):
+            assert averager._scratch is buffers  # the second round used the same tensors
+            with averager.get_tensors() as tensors:
+                assert all(t.data_ptr() not in {b.data_ptr() for b in (*buffers[0], *buffers[1])} for t in tensors)
+        lent = group[0]._round_buffers()  # a round holds them: an overlapping round gets its own
+        overlapping = group[0]._round_buffers()
+        pointers = {t.data_ptr() for t in (*lent[0], *lent[1])}
+        assert not pointers & {t.data_ptr() for t in (*overlapping[0], *overlapping[1])}
+        group[0]._release_buffers(lent)
+        assert group[0]._round_buffers() is lent
+    finally:
+        shutdown_all(group)
+
+
 def test_averaging_alpha_moves_part_of_the_way(swarm: list[hivemind.DHT]) -> None:
     group = averagers(swarm[:2], fresh_prefix(), averaging_alpha=0.25)
     try:

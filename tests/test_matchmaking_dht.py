@@ -244,7 +244,9 @@ def test_a_peer_that_dies_after_declaring_does_not_hang_the_others(swarm) -> Non
 @pytest.mark.timeout(60)
 def test_consecutive_rounds_under_one_prefix(swarm) -> None:
     name = prefix()
-    matchmakers = [matchmaker(swarm, i, name) for i in range(4)]
+    # the library's default request_timeout: with 1 s, a DHT store delayed by a loaded machine made the
+    # leader give up its commit (the timing bound below is about not waiting out min_matchmaking_time)
+    matchmakers = [matchmaker(swarm, i, name, request_timeout=3.0) for i in range(4)]
     seen_ids, timings = set(), []
     for _ in range(3):
         started = time.perf_counter()
@@ -253,4 +255,4 @@ def test_consecutive_rounds_under_one_prefix(swarm) -> None:
         assert group.size == 4 and group.group_id not in seen_ids
         seen_ids.add(group.group_id)
     print("consecutive rounds, ms:", [round(t * 1000) for t in timings])
-    assert max(timings) < 2.0
+    assert max(timings) < 10.0, timings  # a full group forms at once, far before min_matchmaking_time (30 s)

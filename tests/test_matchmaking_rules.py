@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
 import pytest
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from matchmaking_builders import board_of, config, declaration, member, peer
@@ -34,6 +37,7 @@ from hivemind_ext.averaging.group_board import (
     parse_record,
     sealed_write,
 )
+from hivemind_ext.averaging.matchmaking import COMMIT_ATTEMPTS, Matchmaker
 from hivemind_ext.errors import ConfigurationError, ProtocolError
 
 NOT_DUE, DUE = 0.0, 200.0  # every declaration below is ready at 100.0
@@ -366,3 +370,25 @@ def test_group_info_finds_members_and_converts_peer_ids() -> None:
     converted = GroupInfo(b"\x02", (Member(real_id, "0" * 16),))
     assert converted.peer_ids[0].to_base58() == real_id
     assert converted.index_of(converted.peer_ids[0]) == 0
+
+
+def test_a_leader_whose_commit_store_reports_failure_returns_if_the_commit_is_on_the_board() -> None:
+    """A store that timed out or was refused by a replica that already held the commit may still
+    have landed; members run the group once they read it, so the leader must too."""
+    group = GroupInfo(bytes.fromhex("ab12"), ())
+    for visible, expected, calls in ((True, True, 2), (False, False, 2 * COMMIT_ATTEMPTS)):
+        matchmaker = Matchmaker(MatchmakingConfig(prefix="run", target_group_size=2), dht=None, peer_id=PeerID(b"x"))
+        exchanges: list[tuple[tuple, bool]] = []
+
+        async def exchange(
+            writes: tuple, read: bool, deadline: float, log: list = exchanges, visible: bool = visible
+        ) -> tuple:
+            log.append((writes, read))
+            if not read:
+                return False, None  # the store "failed"
+            commits = {"ab12": Commit("ab12", ())} if visible else {}
+            return True, Board(commits=commits)
+
+        matchmaker._exchange = exchange  # type: ignore[method-assign]
+        committed = asyncio.run(matchmaker._commit(("commit",), group, deadline=get_dht_time() + 30))  # type: ignore[arg-type]
+        assert committed is expected and len(exchanges) == calls

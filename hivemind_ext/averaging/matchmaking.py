@@ -199,12 +199,8 @@ class Matchmaker:
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
                     state = result.state  # before the writes: if they are cancelled, withdraw from the new state
                     if result.group is not None:
-                        for _ in range(COMMIT_ATTEMPTS):  # a loaded DHT may time out a store: try again
-                            stored, _ = await self._exchange(result.writes, False, declaration.deadline)
-                            if stored or get_dht_time() >= declaration.deadline:
-                                break
-                            logger.debug("%s: storing the group's commit failed, retrying", self.peer_id)
-                        if not stored:  # members would never read the commit; withdrawing abandons it
+                        if not await self._commit(result.writes, result.group, declaration.deadline):
+                            # members would never read the commit; withdrawing abandons it
                             raise MatchmakingError("the group's commit could not be stored in the DHT")
                         return result.group
                     # Having just (re)declared, read at once in the same call: peers that started at the
@@ -219,6 +215,28 @@ class Matchmaker:
         except BaseException:
             self._withdraw(state)
             raise
+
+    async def _commit(self, writes: tuple[Write, ...], group: GroupInfo, deadline: float) -> bool:
+        """Stores the leader's commit; True once the store succeeded or the commit is on the board.
+
+        Reading it back is the test that matters (members return a group when they read its commit),
+        and a failed store does not mean it is absent: a store that waits for a slow replica may
+        time out after others took it, and a replica that holds the commit refuses the same record
+        again on a retry. Raising then would leave the members running the group without their
+        leader, who would look for another group until its deadline.
+        """
+        group_id = group.group_id.hex()
+        for _ in range(COMMIT_ATTEMPTS):  # a loaded DHT may time out a store: try again
+            stored, _ = await self._exchange(writes, False, deadline)
+            if stored:
+                return True
+            _, board = await self._exchange((), True, deadline)
+            if board is not None and group_id in board.commits:
+                return True
+            if get_dht_time() >= deadline:
+                break
+            logger.debug("%s: storing the group's commit failed, retrying", self.peer_id)
+        return False
 
     async def _exchange(self, writes: tuple[Write, ...], read: bool, deadline: float) -> tuple[bool, Board | None]:
         """Store ``writes`` (all in one DHT store), then, if ``read``, read the board: one call to the
