@@ -2,8 +2,12 @@
 
 For float32 tensors of normal values, each codec's compress + decompress throughput (GB/s of input)
 and relative error ||x - x'|| / ||x||. On CPU, hivemind's codec of the same name is measured on the
-same tensor right after ours; where hivemind has no such codec (or it fails, as its 8-bit codecs do
-under numpy 2), the output says so and its figures are null.
+same tensor in the same loop as ours: after a warm-up call of each, batches of calls of one and of
+the other alternate (so that load from elsewhere on the machine hits both alike) until each has run
+for at least --min-seconds and --min-calls times; the figure is the fastest call (--statistic min,
+the default: load from elsewhere only ever slows a call down) or the median one. Where
+hivemind has no such codec (or it fails, as its 8-bit codecs do under numpy 2), the output says so
+and its figures are null.
 
 On CUDA (``--device cuda``), each codec's on-device encode + decode is measured next to a
 device-to-device copy of the same tensor, and so is the full round trip with the compressed bytes
@@ -16,7 +20,11 @@ crossing to host memory and back.
 from __future__ import annotations
 
 import argparse
+import gc
+import math
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,53 +63,95 @@ def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm((x - y.to(x.dtype)).double()) / torch.linalg.vector_norm(x.double()))
 
 
-def repeats_for(numel: int) -> int:
-    return 5 if numel <= 2**20 else 3 if numel <= 2**24 else 2
+def seconds_per_call(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def measure_ours(codec: ours.Codec, x: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """(GB/s, relative error) of compress -> header bytes + payload view -> from_wire -> decompress."""
+def interleaved_seconds(
+    fns: list[Callable[[], object]],
+    min_seconds: float,
+    min_calls: int,
+    statistic: Callable[[list[float]], float] = min,
+    batch_seconds: float = 0.05,
+) -> list[float]:
+    """Seconds per call of each of ``fns`` (each already called once, as a warm-up): ``statistic``
+    (min or statistics.median) of the times of its calls.
+
+    Batches of about ``batch_seconds`` of calls of each function alternate until every function has
+    run at least ``min_calls`` times and for at least ``min_seconds`` in all: machine noise then falls
+    on all of them alike. The garbage collector is paused meanwhile (torch tensors are freed by
+    reference counting).
+    """
+    times: list[list[float]] = [[] for _ in fns]
+    gc.collect()
+    gc.disable()
+    try:
+        while any(len(t) < min_calls or sum(t) < min_seconds for t in times):
+            for fn, t in zip(fns, times, strict=True):  # all of them, to the end: the same conditions
+                estimate = statistics.median(t) if t else seconds_per_call(fn)
+                for _ in range(max(1, min(math.ceil(batch_seconds / max(estimate, 1e-6)), 1000))):
+                    t.append(seconds_per_call(fn))
+    finally:
+        gc.enable()
+    return [statistic(t) for t in times]
+
+
+def ours_round_trip(codec: ours.Codec, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """compress -> header bytes + payload view -> from_wire -> decompress."""
 
     def round_trip() -> torch.Tensor:
         message = codec.compress(x)
         received = ours.CompressedTensor.from_wire(message.header_bytes(), message.payload_view())
         return ours.decompress(received)
 
-    seconds = median_seconds(round_trip, repeats)
-    return x.numel() * x.element_size() / seconds / 1e9, relative_error(x, round_trip())
+    return round_trip
 
 
-def measure_hivemind(name: str, x: torch.Tensor, repeats: int) -> tuple[float | None, float | None, str]:
-    """(GB/s, relative error, note) of hivemind's compress -> extract; figures are None if it fails."""
+def hivemind_round_trip(name: str, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """hivemind's compress (to its protobuf message) -> extract."""
     import hivemind.compression as hm
 
     codec = getattr(hm, name)()
     info = hm.CompressionInfo.from_tensor(x)
-
-    def round_trip() -> torch.Tensor:
-        return codec.extract(codec.compress(x, info))
-
-    try:
-        seconds = median_seconds(round_trip, repeats)
-        error = relative_error(x, round_trip())
-    except Exception as e:  # report any failure of the reference instead of dying
-        return None, None, f"hivemind {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    return x.numel() * x.element_size() / seconds / 1e9, error, ""
+    return lambda: codec.extract(codec.compress(x, info))
 
 
-def run_cpu(cases: list[Case], sizes: list[str]) -> list[Result]:
+def measure(
+    case: Case, x: torch.Tensor, min_seconds: float, min_calls: int, statistic: Callable[[list[float]], float]
+) -> tuple[float, float, float | None, float | None, str]:
+    """(our GB/s, our relative error, hivemind's GB/s, hivemind's relative error, note); hivemind's
+    figures are None where it has no counterpart or its codec fails (the note says which)."""
+    nbytes = x.numel() * x.element_size()
+    fns = [ours_round_trip(case.make_ours(), x)]
+    errors = [relative_error(x, fns[0]())]
+    note = "hivemind has no such codec"
+    if case.hivemind_name is not None:
+        note = f"vs hivemind {case.hivemind_name}" if case.hivemind_name != case.name else ""
+        try:
+            theirs = hivemind_round_trip(case.hivemind_name, x)
+            errors.append(relative_error(x, theirs()))  # the warm-up call; may fail (numpy 2)
+            fns.append(theirs)
+        except Exception as e:  # report any failure of the reference instead of dying
+            first_line = (str(e).splitlines() or [""])[0][:120]
+            note = f"hivemind {case.hivemind_name} failed: {type(e).__name__}: {first_line}"
+    seconds = interleaved_seconds(fns, min_seconds, min_calls, statistic)
+    gbps = [nbytes / t / 1e9 for t in seconds]
+    if len(fns) == 1:
+        return gbps[0], errors[0], None, None, note
+    return gbps[0], errors[0], gbps[1], errors[1], note
+
+
+def run_cpu(
+    cases: list[Case], sizes: list[str], min_seconds: float, min_calls: int, statistic: Callable[[list[float]], float]
+) -> list[Result]:
     results = []
     for size in sizes:
         numel = SIZES[size]
         x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         for case in cases:
-            repeats = repeats_for(numel)
-            gbps, error = measure_ours(case.make_ours(), x, repeats)
-            hm_gbps, hm_error, note = None, None, "hivemind has no such codec"
-            if case.hivemind_name is not None:
-                hm_gbps, hm_error, note = measure_hivemind(case.hivemind_name, x, repeats)
-                if case.hivemind_name != case.name and not note:
-                    note = f"vs hivemind {case.hivemind_name}"
+            gbps, error, hm_gbps, hm_error, note = measure(case, x, min_seconds, min_calls, statistic)
             label = f"{case.name} {size}"
             ratio = f"{gbps / hm_gbps:5.2f}x" if hm_gbps else "  n/a"
             hm_text = f"{hm_gbps:7.3f} GB/s err {hm_error:.2e}" if hm_gbps else f"{'-':>7}"
@@ -156,6 +206,9 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--codecs", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--min-seconds", type=float, default=0.5, help="CPU: least time of each side per case")
+    parser.add_argument("--min-calls", type=int, default=5, help="CPU: least calls of each side per case")
+    parser.add_argument("--statistic", default="min", choices=["min", "median"], help="CPU: of the calls' times")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
     cases = [c for c in CASES if c.name in args.codecs]
@@ -165,7 +218,8 @@ def main() -> None:
             parser.error("--device cuda needs a CUDA device")
         results = run_cuda(cases, args.sizes)
     else:
-        results = run_cpu(cases, args.sizes)
+        statistic = min if args.statistic == "min" else statistics.median
+        results = run_cpu(cases, args.sizes, args.min_seconds, args.min_calls, statistic)
     emit("compression" if args.device == "cpu" else "compression_cuda", results)
 
 

@@ -285,6 +285,123 @@ def test_uniform_empty_outer_buckets_stay_within_the_values() -> None:
     check_bound(Uniform8BitQuantization(), x, message, y)
 
 
+def uniform_datasets() -> list[torch.Tensor]:
+    """Data for the uniform codec's decoder: normal (outer buckets in use), outliers, a mean far from 0
+    relative to the spread (a coarser exact grid; beyond 2**15 steps, no exact grid), values that leave
+    the outer buckets empty and clamp inner entries, and sizes around the 256-code blocks."""
+    datasets = [
+        normal((1 << 20,), seed=12),
+        normal((100_003,), seed=13) * 1e-20,
+        torch.randn(70_001, generator=torch.Generator().manual_seed(14)) + 1000,
+        torch.randn(70_001, generator=torch.Generator().manual_seed(15)) * 1e-3 + 1e6,
+        torch.linspace(-1, 1, 10_001),
+        torch.linspace(-1, 1, 10_001) ** 3,
+        normal((1,)),
+        normal((255,)),
+        normal((257,), seed=16),
+        normal((4097,), seed=17),
+    ]
+    outliers = normal((16_000,), seed=18)  # all sampled: sparse outliers would make the estimated std noisy
+    outliers[::397] *= 50
+    datasets.append(outliers)
+    return datasets
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_uniform_decodes_exactly_to_codebook_entries(dtype: torch.dtype) -> None:
+    """The decoder computes inner codes arithmetically: it must still give codebook[code] exactly."""
+    codec = Uniform8BitQuantization()
+    for x in uniform_datasets():
+        x = x.to(dtype)
+        if not bool(torch.isfinite(x).all()):  # 1e6 overflows float16
+            continue
+        message, y = round_trip(codec, x)
+        expected = codebook_of(message).to(stats_dtype(dtype))[codes_of(message)].to(dtype)
+        assert torch.equal(y.view(-1), expected), f"{x.numel()} values"
+        check_bound(codec, x, message, y)
+
+
+def test_uniform_tiles_decode_exactly_to_codebook_entries(monkeypatch) -> None:
+    x = normal((20_011,), seed=19)
+    x[::1001] *= 40  # outer codes in many tiles
+    monkeypatch.setattr(minmax, "CPU_TILE_NUMEL", 1000)
+    message, y = round_trip(Uniform8BitQuantization(), x)
+    assert torch.equal(y, codebook_of(message).float()[codes_of(message)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_uniform_inner_codebook_is_an_exact_grid(dtype: torch.dtype) -> None:
+    """Inner entries are (centre + k - 128) * step exactly, the step a little below the nominal width and
+    the centre the multiple of it nearest the mean; the outer entries are the outer buckets' means."""
+    codec = Uniform8BitQuantization()
+    for shift in (0.0, -3.0, 1000.0):
+        x = (normal((1 << 18,), torch.float64, seed=20) + shift).to(dtype)
+        message = codec.compress(x)
+        codebook, codes = codebook_of(message), codes_of(message)
+        step = float(codebook[129] - codebook[128])
+        centre = float(codebook[128]) / step
+        assert centre == round(centre)
+        grid = (torch.arange(1, 255, dtype=torch.float64) - 128 + centre) * step
+        assert torch.equal(codebook[1:255], grid)
+        width = float(uniform_step(codec, x))
+        assert width * (1 - 0.05) <= step <= width * 1.05  # the std is estimated from a sample
+        assert abs(float(x.double().mean()) - centre * step) <= step / 2 + 0.05 * width * 128
+        for outer in (0, 255):
+            assert float(codebook[outer]) == pytest.approx(float(x.double()[codes == outer].mean()), rel=1e-6)
+        # the decoder sees the grid: only the outer codes are looked up
+        raw = message.payload[: 256 * stats_itemsize(dtype)].view(stats_dtype(dtype))
+        assert Uniform8BitQuantization._affine_grid(raw) == (step, float(codebook[0 + 128]) - 128 * step, 0, 255)
+
+
+def assert_uniform_decodes_to_entries(codebook: torch.Tensor, codes: torch.Tensor) -> None:
+    """A hand-made uniform_8bit message decodes to codebook[code] for every code, bit for bit."""
+    payload = torch.cat([codebook.view(torch.uint8), codes])
+    message = CompressedTensor("uniform_8bit", torch.float32, (codes.numel(),), {}, payload)
+    assert torch.equal(decompress(message), codebook[codes.long()])
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [[], [0], [255], [0, 255], [1, 254], [5], [250], [127], [128], [129], [0, 3, 60, 200, 255], list(range(0, 256, 2))],
+    ids=str,
+)
+def test_uniform_decoder_gives_codebook_entries_for_any_codebook(changed: list[int]) -> None:
+    """An exact grid as the encoder writes (0.25 * k - 32) with some entries changed (as clamping, or a
+    foreign encoder, may): every code still decodes to its entry, whether through the arithmetic path,
+    the patched blocks, or the plain lookup."""
+    generator = torch.Generator().manual_seed(len(changed))
+    codebook = torch.arange(256, dtype=torch.float32).mul_(0.25).sub_(32)
+    codebook[changed] = torch.randn(len(changed), generator=generator) * 100
+    for numel in (1, 300, 4096, 100_003):
+        assert_uniform_decodes_to_entries(
+            codebook, torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=generator)
+        )
+        # mostly codes on the grid, the changed ones in a few blocks
+        codes = torch.randint(96, 160, (numel,), dtype=torch.uint8, generator=generator)
+        spots = codes[::997]
+        spots.copy_(torch.tensor(changed or [7], dtype=torch.uint8).repeat(spots.numel())[: spots.numel()])
+        assert_uniform_decodes_to_entries(codebook, codes)
+
+
+def test_uniform_decoder_with_random_codebooks_gives_their_entries() -> None:
+    generator = torch.Generator().manual_seed(21)
+    for _ in range(10):
+        codebook = torch.randn(256, generator=generator)
+        assert_uniform_decodes_to_entries(
+            codebook, torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=generator)
+        )
+
+
+def test_uniform_mean_far_from_zero_keeps_the_error_bound() -> None:
+    """A mean of 3e4 to 3e7 standard deviations: coarser exact grids, then none (a rounded grid)."""
+    codec = Uniform8BitQuantization()
+    for shift in (3e4, 3e5, 3e7):
+        x = normal((100_000,), torch.float64, seed=22) + shift
+        for dtype in (torch.float32, torch.float64):
+            message, y = round_trip(codec, x.to(dtype))
+            check_bound(codec, x.to(dtype), message, y)
+
+
 def test_quantile_codes_are_monotone_and_buckets_balanced() -> None:
     x = normal((1 << 20,), seed=5)
     codes = codes_of(Quantile8BitQuantization().compress(x))

@@ -15,11 +15,12 @@ or scales are not finite raises :class:`CompressionError`.
 On CPU, large tensors are processed in tiles (see :mod:`hivemind_ext.compression.minmax`). Encoding
 and decoding wait for the device once, to check small statistics (on CUDA, each torch.bincount of the
 quantile codec also reads its maximum back; on CPU, where waiting costs nothing, the uniform codec
-also reads back which blocks of values may fall in its outer buckets).
+also reads back which blocks of codes hold its outer buckets, to encode and decode them apart).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import sys
@@ -57,6 +58,10 @@ GOLDEN_RATIO_FRACTION = (math.sqrt(5) - 1) / 2
 SAMPLE_RUN = 64
 # integer types of the same width as float types: for radix sorting and for copying pairs of codebook values
 SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# significand bits (the implicit one included) of the working dtypes; the floats in [2**(bits - 1), 2**bits)
+# are exactly the integers of that range, so adding 2**(bits - 1) to a float rounds it to an integer (to
+# nearest), which then sits in the low bits of the sum's bit pattern
+SIGNIFICAND_BITS = {torch.float32: 24, torch.float64: 53}
 
 
 def non_finite_error(owner: str) -> NonFiniteTensorError:
@@ -74,11 +79,17 @@ def sample_values(x: torch.Tensor, size: int) -> torch.Tensor:
     """
     if x.numel() <= size:
         return x
+    return x[_sample_index(x.numel(), size, x.device)]
+
+
+@functools.lru_cache(maxsize=8)
+def _sample_index(numel: int, size: int, device: torch.device) -> torch.Tensor:
+    """The positions :func:`sample_values` reads (cached: tensors of one size recur at every step)."""
     runs = max(size // SAMPLE_RUN, 1)
-    strata = torch.arange(runs, dtype=torch.float64, device=x.device)
-    starts = torch.mul(strata, GOLDEN_RATIO_FRACTION).frac_().add_(strata).mul_((x.numel() - SAMPLE_RUN) / runs)
-    offsets = torch.arange(SAMPLE_RUN, device=x.device)
-    return x[(starts.long().unsqueeze(1) + offsets).view(-1)]
+    strata = torch.arange(runs, dtype=torch.float64, device=device)
+    starts = torch.mul(strata, GOLDEN_RATIO_FRACTION).frac_().add_(strata).mul_((numel - SAMPLE_RUN) / runs)
+    offsets = torch.arange(SAMPLE_RUN, device=device)
+    return (starts.long().unsqueeze(1) + offsets).view(-1)
 
 
 def sort_floats(values: torch.Tensor) -> torch.Tensor:
@@ -125,22 +136,36 @@ def inverse_width(width: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
     return torch.maximum(width, floor).reciprocal_()
 
 
-def outer_blocks(y: torch.Tensor, codes: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The values of y in the blocks of ``block_size`` consecutive codes that hold a 0 or a 255, and
-    those of the last, shorter block if any, concatenated."""
-    full = y.numel() // block_size * block_size
-    # 255 + 1 wraps around to 0 in uint8: a block's minimum of codes + 1 is at most 1 iff it holds 0 or 255
-    flagged = torch.add(codes[:full], 1).view(-1, block_size).amin(dim=1) <= 1
-    return torch.cat([y[:full].view(-1, block_size)[flagged].view(-1), y[full:]])
+def rows_holding(codes: torch.Tensor, first: int, last: int, block: int) -> torch.Tensor:
+    """Indices of the rows of ``block`` consecutive codes (full rows only) that hold a code <= ``first``
+    or >= ``last`` (-1 <= first < last <= 256). One host sync: for CPU tensors.
+
+    Those codes are the interval [last, first + 256] modulo 256: adding 256 - last (wrapping around in
+    uint8) maps them to [0, 256 - last + first], so a row holds one iff its minimum is at most that.
+    """
+    full = codes.numel() // block * block
+    shifted = codes[:full].add((256 - last) % 256) if last % 256 else codes[:full]
+    return torch.nonzero(shifted.view(-1, block).amin(dim=1) <= 256 - last + first).view(-1)
 
 
-def to_codes(values: torch.Tensor, codes: torch.Tensor, scratch: torch.Tensor | None) -> None:
-    """``codes.copy_(values)`` for values in [0, 256): truncates. On CPU, through an int16 ``scratch``
-    of values' size: torch's float -> uint8 cast is not vectorized there, and the two casts take 2/5 of its time."""
-    if scratch is None:
-        codes.copy_(values)
-    else:
-        codes.copy_(scratch.copy_(values))
+def patch_codes(
+    values: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, first: int, last: int, block: int
+) -> None:
+    """Sets ``values[i] = table[codes[i]]`` wherever ``codes[i] <= first or codes[i] >= last``, on CPU: the
+    rows of ``block`` values that hold such codes are looked up whole (or the whole tile, if they are many)."""
+    if first < 0 and last > 255:
+        return
+    full = codes.numel() // block * block
+    rows = rows_holding(codes, first, last, block)
+    if 4 * rows.numel() > full // block:
+        values.copy_(lookup(table, codes))
+        return
+    if rows.numel():
+        picked = codes[:full].view(-1, block).index_select(0, rows).view(-1)
+        found = torch.index_select(table, 0, picked.to(torch.int32)).view(-1, block)
+        values[:full].view(-1, block).index_copy_(0, rows, found)
+    if full < codes.numel():
+        values[full:] = torch.index_select(table, 0, codes[full:].to(torch.int32))
 
 
 def lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -214,40 +239,57 @@ class _CodebookQuantization(Codec):
 
     @classmethod
     def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
+        return lookup(cls._codebook(payload, dtype).to(dtype), payload[cls._codebook_nbytes(dtype) :])
+
+    @classmethod
+    def _codebook(cls, payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The message's codebook, in stats_dtype(dtype); raises CompressionError unless it is finite."""
         stats = stats_dtype(dtype)
         codebook = view_bytes_as(payload[: CODEBOOK_SIZE * stats.itemsize], stats)
         if not bool(torch.isfinite(codebook).all()):
             raise CompressionError(f"{cls.__name__}: the codebook contains NaN or Inf")
-        return lookup(codebook.to(dtype), payload[cls._codebook_nbytes(dtype) :])
+        return codebook
 
 
 class Uniform8BitQuantization(_CodebookQuantization):
-    """256 equal buckets spanning mean +- range_in_sigmas / 2 standard deviations; values beyond them
-    fall in the first or last bucket. Inner buckets decode to their midpoint, the two outer ones to the
-    mean of their values (so outliers pull them outward).
+    """256 equal buckets spanning about mean +- range_in_sigmas / 2 standard deviations; values beyond
+    them fall in the first or last bucket. Inner buckets decode to their midpoint, the two outer ones to
+    the mean of their values (so outliers pull them outward).
 
     Payload: codebook S[256] | codes uint8[N] (S = float64 for float64 tensors, else float32).
     The mean and the standard deviation are estimated from 16K evenly scattered values: they only place
     the buckets, and the bound below holds whatever they are.
 
-    Error bound: with step = range_in_sigmas * std / 256 (raised to at least max|x| * 2**-100), a value
-    in an inner bucket (codes 1..254, values within mean - 127.5 step .. mean + 126.5 step) decodes to
-    the bucket's midpoint, mean + (code - 128) * step: |x - x'| <= step / 2, plus float rounding (a few
-    ulps of max|x| + 256 step in float32, float64 for float64 tensors, and the rounding of x' to x's
-    dtype). A value in an outer bucket (codes 0 and 255) decodes to the mean of the values with its
-    code. Every x' lies between min(x) and max(x). NaN or Inf raise :class:`NonFiniteTensorError`.
+    Buckets: with width = range_in_sigmas * std / 256 (raised to at least max|x| * 2**-100), the step is
+    the width rounded down to at most 16 significant bits (45 for float64; fewer as |centre| grows, at
+    least 8), and bucket k (codes 1..254) is centred on the midpoint (centre + k - 128) * step, where
+    centre is the integer nearest mean / step: the grid of midpoints holds 0 (hivemind's
+    quantize_per_tensor grid, shifted by a whole number of steps). Every midpoint is then an exact
+    float, and so is k * step: the decoder recognizes such a codebook and decodes code k as
+    k * step + offset, exactly the codebook's entry, in three vectorized passes (cast, multiply, add)
+    instead of a table lookup per value; values with codes 0 and 255 (or with any entry that the grid
+    does not match, e.g. one clamped to the values' range) are looked up, found by blocks of codes.
+    Where the mean is more than about 2**16 widths from 0 (2**45 for float64) such a grid does not
+    exist: the step is the width, the midpoints are rounded, and decoding falls back to the lookup.
+
+    Error bound: a value in an inner bucket decodes to the bucket's midpoint: |x - x'| <= step / 2, plus
+    float rounding (a few ulps of max|x| + 256 step in float32, float64 for float64 tensors, and the
+    rounding of x' to x's dtype). A value in an outer bucket (codes 0 and 255) decodes to the mean of the
+    values with its code. Every x' lies between min(x) and max(x). NaN or Inf raise
+    :class:`NonFiniteTensorError`.
 
     hivemind's default range is 6 standard deviations and it decodes every bucket to its mean; ours is 8
     (mean +- 4 std): on normal data it lowers the relative error from 1.6% to 0.9%, since clipped tails
     cost more than wider buckets. Inner buckets are narrow enough that their midpoints do as well as
     their means (0.91-0.93% either way on normal data), and need no pass over the values; the outer
-    buckets' means are summed, on CPU, only over the blocks of 256 values that hold outer codes.
+    buckets' means are summed, on CPU, only over the blocks of 256 codes that hold outer codes.
     """
 
     codec_id = "uniform_8bit"
     RANGE_IN_SIGMAS: ClassVar[float] = 8.0
     SAMPLE_SIZE: ClassVar[int] = 1 << 14
-    BLOCK_SIZE: ClassVar[int] = 256  # on CPU, outer values are looked for in the blocks that hold outer codes
+    BLOCK_SIZE: ClassVar[int] = 256  # on CPU, outer codes are looked for in blocks of this many codes
+    MIN_STEP_BITS: ClassVar[int] = 8  # the fewest significant bits of an exact grid's step
 
     def __init__(self, range_in_sigmas: float | None = None):
         value = self.RANGE_IN_SIGMAS if range_in_sigmas is None else range_in_sigmas
@@ -257,42 +299,81 @@ class Uniform8BitQuantization(_CodebookQuantization):
 
     def _quantize(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         low, high, mean, std = self._statistics(x)
-        # bucket k (k = 1..254) holds y = x * scale + bias in [k, k + 1), with bias = 128.5 - mean * scale:
-        # its code is trunc(y) clamped to [0, 255] (the cast to uint8 truncates). Both are rounded to x's
-        # dtype here, as the kernels would, so that the midpoints below are those of the buckets applied.
-        width = min(max(std * self.range_in_sigmas / CODEBOOK_SIZE, max(-low, high) * 2.0**-100), finfo(x).max)
-        scale = round_to(1 / max(width, finfo(x).tiny), x.dtype)  # x * scale cannot overflow: <= 2**100
-        bias = round_to(CODEBOOK_SIZE / 2 + 0.5 - mean * scale, x.dtype)
-        # outer buckets: y < 1 (code 0) and y >= 255, i.e. y > top, the float just below 255 (code 255)
-        top = CODEBOOK_SIZE - 1 - (CODEBOOK_SIZE // 2) * finfo(x).eps
-        on_cpu = x.device.type == "cpu"
-        tiles = tile_slices(x.numel(), self.BLOCK_SIZE, x.device)
-        y_tile, clamped_tile = torch.empty(2, tiles[0].stop - tiles[0].start, dtype=x.dtype, device=x.device)
-        narrow = torch.empty_like(y_tile, dtype=torch.int16) if on_cpu else None
-        # every entry as the y of its bucket's midpoint mapped back, x = (y - bias) / scale, and clamped to
-        # [min x, max x], which holds every value of every bucket: never a larger error, and never an
-        # overflow to Inf (the midpoint of an empty bucket of float64 values near the limit). Host data is
-        # copied to the device before the loop, where the copies need not wait for its kernels.
-        codebook = [min(max((k + 0.5 - bias) / scale, low), high) for k in range(CODEBOOK_SIZE)]
-        codebook = torch.tensor(codebook, dtype=torch.float64, device=x.device)
-        offsets = torch.tensor([1 - bias, top - bias], dtype=torch.float64, device=x.device)
+        info = finfo(x)
+        width = min(max(std * self.range_in_sigmas / CODEBOOK_SIZE, max(-low, high) * 2.0**-100, info.tiny), info.max)
+        step, centre = self._grid(width, mean, x.dtype)
+        # y = x * scale + bias, clamped to [magic, magic + 255] and rounded to an integer by the addition of
+        # bias ~ magic, is magic + code: the code is the low byte of y's bit pattern. x * scale <= 2**100
+        magic = 2.0 ** (SIGNIFICAND_BITS[x.dtype] - 1)
+        scale = round_to(1 / step, x.dtype)
+        if centre is not None:  # an exact float: code k is the bucket of (centre + k - 128) * step
+            bias, spacing = magic + CODEBOOK_SIZE // 2 - centre, step
+        else:  # rounded as the kernel will: the midpoints are those of the buckets applied
+            bias, spacing = round_to(magic + CODEBOOK_SIZE // 2 - mean * scale, x.dtype), 1 / scale
         bias_tensor = torch.tensor(bias, dtype=x.dtype, device=x.device)
-        sums, counts = [], []  # per tile: [sum of y - 1 over code 0, of y - top over code 255], their counts
+        tiles = tile_slices(x.numel(), self.BLOCK_SIZE, x.device)
+        y_tile = torch.empty(tiles[0].stop - tiles[0].start, dtype=x.dtype, device=x.device)
+        # float64 sums of the outer values, scaled down where those of float64 values near 1e308 would overflow
+        norm = max(-low, high, 1.0)
+        sums, counts = [], []
         for tile in tiles:
-            size, tile_codes = tile.stop - tile.start, codes[tile]
-            y = torch.add(bias_tensor, x[tile], alpha=scale, out=y_tile[:size])  # one pass, not a mul and an add
-            clamped = torch.clamp(y, 0, CODEBOOK_SIZE - 0.5, out=clamped_tile[:size])
-            to_codes(clamped, tile_codes, None if narrow is None else narrow[:size])
-            # the few outer values: on CPU, those of the blocks holding code 0 or 255 (a host sync, free there)
-            outer = outer_blocks(y, tile_codes, self.BLOCK_SIZE) if on_cpu else y
-            # float32 sums suffice: only the outer values are nonzero, all of one sign
-            below, above = torch.clamp(outer, max=1).sub_(1), torch.clamp(outer, min=top).sub_(top)
-            sums.append(torch.stack([below.sum(), above.sum()]).double())
-            counts.append(torch.stack([torch.count_nonzero(below), torch.count_nonzero(above)]))
-        # the outer buckets' means, mapped back likewise (an empty bucket gets its inner border: unused)
-        outer_means = sum(sums) / sum(counts).clamp_min(1)
-        codebook[[0, -1]] = outer_means.add_(offsets).div_(scale).clamp_(low, high)
-        return codebook.to(x.dtype)
+            tile_x, tile_codes = x[tile], codes[tile]
+            y = torch.add(bias_tensor, tile_x, alpha=scale, out=y_tile[: tile.stop - tile.start])  # one pass
+            tile_codes.copy_(y.clamp_(magic, magic + CODEBOOK_SIZE - 1).view(SAME_WIDTH_INT[x.element_size()]))
+            tile_sums, tile_counts = self._outer_sums(tile_x, tile_codes, norm)
+            sums.append(tile_sums)
+            counts.append(tile_counts)
+        sums, counts = sum(sums[1:], sums[0]), sum(counts[1:], counts[0])
+        # every entry clamped to [min x, max x], which holds every value of every bucket: never a larger
+        # error, and never an overflow to Inf (the midpoint of an empty bucket of values near the limit)
+        codebook = torch.arange(CODEBOOK_SIZE, dtype=torch.float64, device=x.device)
+        codebook.add_(magic - bias).mul_(spacing)  # exact for an exact grid: integers times step
+        outer_means = sums.div_(counts.clamp_min(1)).mul_(norm)
+        codebook[[0, -1]] = torch.where(counts > 0, outer_means, codebook[[0, -1]])  # an empty bucket: unused
+        return codebook.clamp_(low, high).to(x.dtype)
+
+    def _outer_sums(self, x: torch.Tensor, codes: torch.Tensor, norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sums of x / norm over codes 0 and 255 (float64), their counts). On CPU, over the blocks of
+        codes that hold a 0 or a 255 and the last, shorter block; elsewhere, over all of x."""
+        if x.device.type == "cpu":
+            block = self.BLOCK_SIZE
+            full = x.numel() // block * block
+            rows = rows_holding(codes, 0, CODEBOOK_SIZE - 1, block)
+            picked = codes[:full].view(-1, block).index_select(0, rows).view(-1)
+            values = x[:full].view(-1, block).index_select(0, rows).view(-1)
+            if full < x.numel():
+                picked, values = torch.cat([picked, codes[full:]]), torch.cat([values, x[full:]])
+            values = values.double() if norm == 1 else values.double().div_(norm)
+            sums = torch.bincount(picked, weights=values, minlength=CODEBOOK_SIZE)
+            return sums[::255], torch.bincount(picked, minlength=CODEBOOK_SIZE)[::255]
+        masks = [codes == 0, codes == CODEBOOK_SIZE - 1]
+        sums = [torch.where(mask, x, 0).sum(dtype=torch.float64) / norm for mask in masks]
+        return torch.stack(sums), torch.stack([mask.sum() for mask in masks])
+
+    @classmethod
+    def _grid(cls, width: float, mean: float, dtype: torch.dtype) -> tuple[float, int | None]:
+        """(step, centre): code k (1..254) is the bucket centred on (centre + k - 128) * step, or, with
+        centre None, on mean + (k - 128) * step roughly (rounded as the kernels will, see _quantize).
+
+        An exact grid: the step is the width rounded down to p significant bits, so few that
+        (centre + j) * step for |j| <= 128, and k * step for k < 256, are all exact floats; p is 16 for
+        float32 when |centre| < 128, fewer as |centre| grows, and never below MIN_STEP_BITS (the step
+        then shrinks by less than 1%: narrower buckets, never a larger error)."""
+        bits = SIGNIFICAND_BITS[dtype]
+        mantissa, exponent = math.frexp(width)  # width = mantissa * 2**exponent, 0.5 <= mantissa < 1
+        centre = round(mean / width)  # finite: |mean| <= max|x| <= 2**100 width
+        for precision in range(bits - cls._centre_bits(centre), cls.MIN_STEP_BITS - 1, -1):
+            # >= 2**(exponent - 1) >= the smallest normal float: only the lower bits go
+            step = math.ldexp(math.floor(math.ldexp(mantissa, precision)), exponent - precision)
+            centre = round(mean / step)
+            if precision + cls._centre_bits(centre) <= bits:
+                return step, centre
+        return round_to(width, dtype), None
+
+    @staticmethod
+    def _centre_bits(centre: int) -> int:
+        """Bits of the largest multiplier of the step on an exact grid: |centre| + 128, or code 255."""
+        return max(abs(centre) + CODEBOOK_SIZE // 2, CODEBOOK_SIZE - 1).bit_length()
 
     def _statistics(self, x: torch.Tensor) -> tuple[float, float, float, float]:
         """(min, max, mean, std) of a non-empty x, with one host sync; raises NonFiniteTensorError if x
@@ -313,6 +394,42 @@ class Uniform8BitQuantization(_CodebookQuantization):
         size = sample.numel()
         variance = max(squares / size - (total / size) ** 2, 0.0)
         return low, high, (first + total / size) * magnitude, math.sqrt(variance) * magnitude
+
+    @classmethod
+    def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
+        """On CPU, codes whose codebook entries lie on an affine grid are decoded arithmetically (see
+        :meth:`_affine_grid`), the others looked up; on other devices, every code is looked up."""
+        codebook, codes = cls._codebook(payload, dtype), payload[cls._codebook_nbytes(dtype) :]
+        grid = cls._affine_grid(codebook) if payload.device.type == "cpu" else None
+        if grid is None:
+            return lookup(codebook.to(dtype), codes)
+        step, offset, first, last = grid
+
+        def decode_tile(values: torch.Tensor, start: int) -> None:
+            tile_codes = codes[start : start + values.numel()]
+            values.copy_(tile_codes).mul_(step).add_(offset)  # exactly codebook[code] for first < code < last
+            patch_codes(values, tile_codes, codebook, first, last, cls.BLOCK_SIZE)
+
+        return decode_in_tiles(numel, dtype, codebook.dtype, cls.BLOCK_SIZE, payload.device, decode_tile)
+
+    @staticmethod
+    def _affine_grid(codebook: torch.Tensor) -> tuple[float, float, int, int] | None:
+        """(step, offset, first, last) such that codebook[k] is exactly k * step + offset, computed as
+        two rounded float operations of the codebook's dtype, for first < k < last; None if that holds
+        for fewer than half of the codes. Each operation rounds the same on every path of every kernel,
+        so a tensor of codes decodes, with the same two operations, to exactly the codebook's entries.
+
+        step and offset are read off entries 128 and 129: exact for the grids that the encoder writes.
+        """
+        step_offset = torch.stack([codebook[129] - codebook[128], codebook[128]])
+        step_offset[1] -= step_offset[0] * (CODEBOOK_SIZE // 2)
+        step, offset = step_offset.tolist()
+        grid = torch.arange(CODEBOOK_SIZE, dtype=codebook.dtype, device=codebook.device).mul_(step).add_(offset)
+        matches = torch.eq(grid, codebook).tolist()
+        half = CODEBOOK_SIZE // 2
+        first = max((k for k in range(half) if not matches[k]), default=-1)
+        last = min((k for k in range(half, CODEBOOK_SIZE) if not matches[k]), default=CODEBOOK_SIZE)
+        return (step, offset, first, last) if last - first - 1 >= half else None
 
     def nominal_params(self, info: CompressionInfo) -> dict[str, Any]:
         return {}
