@@ -181,6 +181,9 @@ class AlgorithmImpl:
     uses_standard_path = False
     #: bytes per bucket in the default ``tensors_to_buckets``
     bucket_bytes = DEFAULT_BUCKET_BYTES
+    #: after an averaging round that failed, the Optimizer downloads the swarm's state at the next step
+    #: (when other peers train), as on the standard path; False for algorithms that recover on their own
+    resync_after_failed_round = True
 
     def __init__(self, context: AlgorithmContext) -> None:
         self.context = context

@@ -103,6 +103,10 @@ class DiLoCoImpl(AlgorithmImpl):
     - ``state_loads``: training states downloaded from peers (late join, catch-up, resync).
     """
 
+    # a failed or misaligned round sets its own resync, which downloads the state before the next
+    # inner step (see on_backward): the Optimizer need not download it a second time
+    resync_after_failed_round = False
+
     def __init__(self, context: AlgorithmContext, algorithm: DiLoCo) -> None:
         super().__init__(context)
         self.grad_sums, self.mean_grads, self._sum_of = [], [], {}  # the default path's buffers: unused

@@ -6,8 +6,10 @@ keeps one :class:`~hivemind_ext.averaging.DecentralizedAverager` per (stage, pos
 buckets' fused buffers, each bucket compressed with its own codec (PerTensorCompression keyed by
 bucket name). A round that fails leaves the buckets' local values in place (logged): the model is
 then updated from local values, as the Optimizer does with local gradients, and, when other peers
-train, the peer downloads the swarm's state at its next step so that it does not drift apart. A peer
-still looking for a group when the swarm has finished the epoch without it gives up at once.
+train, the peer downloads the swarm's state at its next step so that it does not drift apart (unless
+the algorithm recovers on its own: ``AlgorithmImpl.resync_after_failed_round``). With rounds at the
+epoch's end, a peer still looking for a group when the swarm has finished the epoch without it gives
+up at once.
 """
 
 from __future__ import annotations
@@ -104,13 +106,17 @@ class AlgorithmRunner:
             expected_group_size=expected,
             wait=False,
         )
+        # rounds at the epoch's end (the default should_communicate): the swarm moving to the next epoch
+        # while this peer still looks for a group means the round happened without it. Algorithms
+        # that communicate on their own schedule (DiLoCo: every H steps) wait out the round instead.
+        epoch_rounds = type(self.impl).should_communicate is AlgorithmImpl.should_communicate
         try:
-            optimizer.wait_for_round(control)
+            optimizer.wait_for_round(control, watch_swarm=epoch_rounds)
         except ROUND_ERRORS as e:
             if not control.done():
                 control.cancel()
             self.failed_rounds += 1
-            resync = optimizer.resync_after_failed_round()
+            resync = self.impl.resync_after_failed_round and optimizer.resync_after_failed_round()
             logger.warning(
                 f"averaging failed ({e!r}): proceeding with local values"
                 + ("; the state will be downloaded from peers at the next step" if resync else "")
