@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import math
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 from swarm import local_swarm
 
 import hivemind_ext
+from hivemind_ext.errors import MatchmakingError
 from hivemind_ext.optim.algorithms import Algorithm, AlgorithmImpl, GradientAllReduce
 from hivemind_ext.optim.algorithms.qadam import adam_update_, frozen_variance_floor
+from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
 
 TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
 
@@ -150,3 +154,84 @@ def test_qadam_frozen_variance_floor_keeps_updates_bounded() -> None:
         variance_floor=frozen_variance_floor(dead),
     )
     torch.testing.assert_close(param, torch.ones(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# a failed round under the runner (no network: a stand-in averager and Optimizer)
+
+
+class _Control:
+    cancelled = False
+
+    def done(self) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Averager:
+    last_round = None
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.controls: list[_Control] = []
+
+    def step(self, **kwargs) -> _Control:
+        self.calls.append(kwargs)
+        self.controls.append(_Control())
+        return self.controls[-1]
+
+
+class _Optimizer:
+    """What the runner uses of the Optimizer; every round fails as if the swarm finished it without us."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(matchmaking_time=0.5, averaging_timeout=5.0)
+        self.grad_compression = None
+        self.tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3))
+        self.watched: list[bool] = []
+        self.resyncs = 0
+
+    def wait_for_round(self, control, *, watch_swarm: bool = True) -> None:
+        self.watched.append(watch_swarm)
+        raise MatchmakingError("the swarm finished this epoch's round without this peer")
+
+    def resync_after_failed_round(self) -> bool:
+        self.resyncs += 1
+        return True
+
+
+class _OwnSchedule(AlgorithmImpl):
+    """Communicates on its own schedule and recovers from failed rounds itself (as DiLoCo does)."""
+
+    resync_after_failed_round = False
+
+    def should_communicate(self) -> bool:
+        return True
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("impl_class", [AlgorithmImpl, _OwnSchedule])
+def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algorithm_recovers(impl_class) -> None:
+    optimizer = _Optimizer()
+    params = [torch.randn(3, 2), torch.randn(4)]
+    impl = impl_class(SimpleNamespace(params=params, optimizer=optimizer))
+    results: list[bool] = []
+    impl.on_average_result = lambda succeeded, report=None: results.append(succeeded)
+    runner = AlgorithmRunner(impl)
+    averager = runner._averagers[(runner.stage, -1)] = _Averager()
+    before = [bucket.flat.clone() for bucket in runner.buckets]
+    started = get_dht_time()
+    runner.average(runner.buckets)
+
+    assert runner.failed_rounds == 1 and runner.rounds == 0 and results == [False]
+    assert averager.controls[0].cancelled  # the abandoned search is cancelled, not left running
+    for bucket, old in zip(runner.buckets, before, strict=True):
+        assert torch.equal(bucket.flat, old)  # the local values stay
+    # the group forms as soon as the 3 peers the tracker sees are looking, else after 2 x matchmaking_time
+    assert averager.calls[0]["expected_group_size"] == 3
+    assert 0.9 <= averager.calls[0]["scheduled_time"] - started <= 1.5
+    default = impl_class is AlgorithmImpl
+    assert optimizer.watched == [default]  # epoch-end rounds give up once the swarm moved on
+    assert optimizer.resyncs == (1 if default else 0)
