@@ -143,6 +143,19 @@ def train_together(trainers: Sequence[Trainer], until_epoch: int, *, seconds: fl
         )
 
 
+def make_trainers(
+    dhts: Sequence[hivemind.DHT], optimizers: list[hivemind_ext.Optimizer], count: int, run_id: str, **kwargs: Any
+) -> list[Trainer]:
+    """``count`` peers on ``dhts[:count]``, all from the same initial model; their optimizers go into
+    ``optimizers`` (a :func:`shutting_down` list)."""
+    trainers = []
+    for index in range(count):
+        model = make_model(seed=0)
+        optimizers.append(make_optimizer(dhts[index], model, run_id, **kwargs))
+        trainers.append(Trainer(optimizers[-1], model, seed=index))
+    return trainers
+
+
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     give_up = time.monotonic() + timeout
     while not condition():
@@ -174,11 +187,7 @@ def test_late_joiner_downloads_the_state_spread_over_donors_and_trains_in_line(
     )
     caplog.set_level(logging.INFO, logger="hivemind_ext.averaging.state_download")
     with local_swarm(3) as dhts, shutting_down([]) as optimizers:
-        trainers = []
-        for index in range(2):
-            model = make_model(seed=0)
-            optimizers.append(make_optimizer(dhts[index], model, "late"))
-            trainers.append(Trainer(optimizers[-1], model, seed=index))
+        trainers = make_trainers(dhts, optimizers, 2, "late")
         train_together(trainers, until_epoch=3)
         swarm_epoch = max(t.opt.local_epoch for t in trainers)
         assert_same_params(trainers[0].model, trainers[1].model)
@@ -263,11 +272,7 @@ def held(lock: threading.RLock, seconds: float) -> Iterator[None]:
 def test_busy_donors_never_make_a_newcomer_time_out() -> None:
     """hivemind issues 169 and 445: a donor busy averaging made newcomers wait until they timed out."""
     with local_swarm(4) as dhts, shutting_down([]) as optimizers:
-        trainers = []
-        for index in range(2):
-            model = make_model(seed=0)
-            optimizers.append(make_optimizer(dhts[index], model, "busy"))
-            trainers.append(Trainer(optimizers[-1], model, seed=index))
+        trainers = make_trainers(dhts, optimizers, 2, "busy")
         train_together(trainers, until_epoch=2)
         epoch = trainers[0].opt.local_epoch
         busy, free = trainers
@@ -421,11 +426,7 @@ def test_a_killed_peer_never_blocks_the_others() -> None:
 @pytest.mark.timeout(120)
 def test_a_peer_that_stops_stepping_in_a_scheduled_group_never_blocks_the_others() -> None:
     with local_swarm(3) as dhts, shutting_down([]) as optimizers:
-        trainers = []
-        for index in range(3):
-            model = make_model(seed=0)
-            optimizers.append(make_optimizer(dhts[index], model, "stalled"))
-            trainers.append(Trainer(optimizers[-1], model, seed=index))
+        trainers = make_trainers(dhts, optimizers, 3, "stalled")
         train_together(trainers, until_epoch=2)
         staller = trainers[2]
         # the staller steps until it has a gradient round scheduled, then stops calling step()
@@ -461,11 +462,7 @@ def test_a_peer_that_stops_stepping_in_a_scheduled_group_never_blocks_the_others
 def test_a_failed_round_falls_back_to_local_gradients_then_the_peer_resyncs() -> None:
     # no state averaging: only the download after the failure can bring the failed peer back in line
     with local_swarm(3) as dhts, shutting_down([]) as optimizers:
-        trainers = []
-        for index in range(3):
-            model = make_model(seed=0)
-            optimizers.append(make_optimizer(dhts[index], model, "failed", average_state_every=1000))
-            trainers.append(Trainer(optimizers[-1], model, seed=index))
+        trainers = make_trainers(dhts, optimizers, 3, "failed", average_state_every=1000)
         train_together(trainers, until_epoch=2)
         failed = trainers[2]
         averager = failed.opt.grad_averager
