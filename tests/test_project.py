@@ -39,3 +39,115 @@ def test_package_metadata_keeps_the_user_facing_torch_range() -> None:
     assert "torch>=2.1" in project["dependencies"]
     assert project["requires-python"] == ">=3.10"
     assert "pytest-timeout" in " ".join(project["optional-dependencies"]["test"])
+
+
+def _imported_top_modules(path: Path) -> set[str]:
+    """Top-level names of every module that a file imports (absolute imports only)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower().replace("_", "-")
+
+
+def test_the_test_extra_installs_everything_the_tests_and_examples_import() -> None:
+    """A fresh venv with `pip install -e ".[test]"` must run the whole suite (scikit-learn was missing once)."""
+    import importlib.metadata
+    import sys
+
+    project = tomllib.loads(ROOT.joinpath("pyproject.toml").read_text())["project"]
+    declared = {_requirement_name(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]}
+    local = {p.stem for folder in ("tests", "examples", "benchmarks") for p in ROOT.joinpath(folder).glob("*.py")}
+    local |= {"hivemind_ext", "tests", "examples", "benchmarks"}
+    distributions = importlib.metadata.packages_distributions()
+    missing = {}
+    for path in [*ROOT.joinpath("tests").glob("*.py"), *ROOT.joinpath("examples").glob("*.py")]:
+        for module in _imported_top_modules(path) - local - set(sys.stdlib_module_names):
+            names = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+            if not names & declared:
+                missing.setdefault(module, []).append(path.name)
+    assert not missing, f"imported by the tests or examples but not in the dependencies or the test extra: {missing}"
+
+
+def _library_import_graph() -> dict[str, set[str]]:
+    """module -> the hivemind_ext modules it imports, ``if TYPE_CHECKING:`` blocks and function bodies included
+    (a cycle hidden behind a type-only or a deferred import is still two layers that depend on each other)."""
+    import ast
+
+    package_root = ROOT / "hivemind_ext"
+    modules = {}
+    for path in package_root.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+
+    def resolve(base: str, level: int, module: str | None, is_package: bool) -> str:
+        if level == 0:
+            return module or ""
+        anchor = base.split(".")
+        anchor = anchor if is_package else anchor[:-1]
+        anchor = anchor[: len(anchor) - (level - 1)]
+        return ".".join([*anchor, module] if module else anchor)
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = resolve(name, node.level, node.module, path.name == "__init__.py")
+                candidates = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            targets.update(c for c in candidates if c in modules and c != name)
+        graph[name] = targets
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    visiting, done = [], set()
+
+    def visit(node: str) -> list[str] | None:
+        if node in visiting:
+            return [*visiting[visiting.index(node) :], node]
+        if node in done:
+            return None
+        visiting.append(node)
+        for target in sorted(graph.get(node, ())):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        visiting.pop()
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_library_has_no_import_cycles() -> None:
+    """Layers depend downward only: no module of hivemind_ext imports (through others) itself.
+
+    A package's ``__init__`` counts as a module that imports what it re-exports, so a submodule that
+    imports its own package's ``__init__`` while that ``__init__`` imports it back is a cycle too."""
+    graph = _library_import_graph()
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
