@@ -1,7 +1,7 @@
 """One butterfly all-reduce round (no matchmaking): round time and bytes sent per peer, per codec.
 
 N peers (default 4) on 127.0.0.1, each with its own libp2p daemon and one float32 tensor (default
-16M values), average with :class:`hivemind_ext.averaging.allreduce.AllreduceService` on a group
+16M values), average with :class:`hivemind_ext.averaging.allreduce.service.AllreduceService` on a group
 built directly (no DHT). Two modes:
 
 - ``--mode process`` (default): one OS process per peer, as in a real swarm; rounds start together
@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Result, describe_machine, emit
 
-from hivemind_ext.averaging.allreduce import DEFAULT_PART_SIZE_BYTES
+from hivemind_ext.averaging.allreduce.service import DEFAULT_PART_SIZE_BYTES
 
 SIZES = {"1M": 2**20, "4M": 2**22, "16M": 2**24, "64M": 2**26}
 CODECS = ("none", "float16", "MinMaxUInt8")
@@ -48,7 +48,7 @@ def make_codec(name: str) -> Any:
 
 
 def make_group(peer_ids: list[Any], round_index: int) -> Any:
-    from hivemind_ext.averaging.group import GroupInfo, Member
+    from hivemind_ext.averaging.matchmaking.group import GroupInfo, Member
 
     members = tuple(Member(peer.to_base58(), f"attempt{round_index}") for peer in peer_ids)
     return GroupInfo(f"bench-{round_index}".encode(), members)
@@ -57,7 +57,7 @@ def make_group(peer_ids: list[Any], round_index: int) -> Any:
 async def start_peer(initial_peers: list[Any] | None, codec_threads: int) -> tuple[Any, Any]:
     from hivemind.p2p import P2P
 
-    from hivemind_ext.averaging.allreduce import AllreduceService
+    from hivemind_ext.averaging.allreduce.service import AllreduceService
     from hivemind_ext.p2p import RPCClient, RPCServer
 
     p2p = await P2P.create(host_maddrs=LOOPBACK, initial_peers=initial_peers or [])
@@ -73,7 +73,7 @@ async def stop_peer(p2p: Any, service: Any) -> None:
 
 
 def config_for(codec: str, part_size: int, offload: bool) -> Any:
-    from hivemind_ext.averaging.allreduce import AllreduceConfig
+    from hivemind_ext.averaging.allreduce.service import AllreduceConfig
 
     return AllreduceConfig(compression=make_codec(codec), part_size_bytes=part_size, offload_codecs=offload)
 

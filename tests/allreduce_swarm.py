@@ -24,8 +24,8 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from swarm import new_test_loop
 
-from hivemind_ext.averaging.allreduce import AllreduceConfig, AllreduceResult, AllreduceService, RoundHooks
-from hivemind_ext.averaging.group import GroupInfo, Member
+from hivemind_ext.averaging.allreduce.service import AllreduceConfig, AllreduceResult, AllreduceService, RoundHooks
+from hivemind_ext.averaging.matchmaking.group import GroupInfo, Member
 from hivemind_ext.p2p import RPCClient, RPCServer
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hivemind_ext.averaging.group import Board, Declaration, MatchmakingConfig, Member
+from hivemind_ext.averaging.matchmaking.group import Board, Declaration, MatchmakingConfig, Member
 
 _BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"  # in ASCII order
 

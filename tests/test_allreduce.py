@@ -13,8 +13,8 @@ import pytest
 import torch
 from allreduce_swarm import Swarm, check_round, config, flat, group_of, make_tensors, run_round, swarm_fixtures
 
-from hivemind_ext.averaging.allreduce import AllreduceConfig, AllreduceResult, RoundHooks
-from hivemind_ext.averaging.allreduce_wire import HANDLER_NAME, PROTOCOL_VERSION
+from hivemind_ext.averaging.allreduce.service import AllreduceConfig, AllreduceResult, RoundHooks
+from hivemind_ext.averaging.allreduce.wire import HANDLER_NAME, PROTOCOL_VERSION
 from hivemind_ext.compression import (
     CompressionInfo,
     Float16Compression,

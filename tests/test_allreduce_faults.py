@@ -18,7 +18,7 @@ import torch
 from allreduce_swarm import Outcome, Swarm, check_round, config, group_of, make_tensors, run_round, swarm_fixtures
 from hivemind.p2p import PeerID
 
-from hivemind_ext.averaging.allreduce import RoundHooks
+from hivemind_ext.averaging.allreduce.service import RoundHooks
 from hivemind_ext.compression import Float16Compression, MinMaxUInt8, NoCompression
 from hivemind_ext.p2p import Message, pack_tensor
 

@@ -12,14 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hivemind_ext.averaging.allreduce_layout import (
+from hivemind_ext.averaging.allreduce.layout import (
     TensorSpec,
     chunk_numel,
     member_roles,
     parse_tensor_specs,
     plan_layout,
 )
-from hivemind_ext.averaging.allreduce_wire import (
+from hivemind_ext.averaging.allreduce.partition import MemberRole
+from hivemind_ext.averaging.allreduce.reducer import PartReducer, all_finite
+from hivemind_ext.averaging.allreduce.wire import (
     PROTOCOL_VERSION,
     join_message,
     pack_gather,
@@ -29,9 +31,7 @@ from hivemind_ext.averaging.allreduce_wire import (
     result_message,
     unpack_gather,
 )
-from hivemind_ext.averaging.group import Member
-from hivemind_ext.averaging.partition import MemberRole
-from hivemind_ext.averaging.reducer import PartReducer, all_finite
+from hivemind_ext.averaging.matchmaking.group import Member
 from hivemind_ext.compression import NoCompression
 from hivemind_ext.errors import ConfigurationError, ProtocolError
 from hivemind_ext.p2p import Message, pack_tensor

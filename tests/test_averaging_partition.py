@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hivemind_ext.averaging.partition import MemberRole, chunk_bounds, part_bounds, part_sizes
+from hivemind_ext.averaging.allreduce.partition import MemberRole, chunk_bounds, part_bounds, part_sizes
 from hivemind_ext.errors import ConfigurationError
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hivemind_ext.averaging.reducer import PartReducer
+from hivemind_ext.averaging.allreduce.reducer import PartReducer
 from hivemind_ext.compression import Float16Compression, NoCompression
 from hivemind_ext.errors import AllreduceError, ProtocolError
 

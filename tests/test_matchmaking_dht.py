@@ -17,9 +17,9 @@ import pytest
 from hivemind.utils import get_dht_time
 from swarm import LOOPBACK, local_swarm
 
-from hivemind_ext.averaging.group import GroupInfo, MatchmakingConfig
-from hivemind_ext.averaging.group_board import board_key, parse_board
-from hivemind_ext.averaging.matchmaking import Matchmaker
+from hivemind_ext.averaging.matchmaking.board import board_key, parse_board
+from hivemind_ext.averaging.matchmaking.group import GroupInfo, MatchmakingConfig
+from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker
 from hivemind_ext.errors import ConfigurationError, MatchmakingError
 
 pytestmark = pytest.mark.slow

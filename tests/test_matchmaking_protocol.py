@@ -12,7 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from matchmaking_builders import board_of, config, declaration, member
 
-from hivemind_ext.averaging.group import (
+from hivemind_ext.averaging.matchmaking.board import (
+    Write,
+    commit_write,
+    declaration_write,
+    marker_write,
+    parse_board,
+    sealed_write,
+)
+from hivemind_ext.averaging.matchmaking.group import (
     Board,
     Commit,
     Declaration,
@@ -21,15 +29,7 @@ from hivemind_ext.averaging.group import (
     SealedGroup,
     group_id_for,
 )
-from hivemind_ext.averaging.group_board import (
-    Write,
-    commit_write,
-    declaration_write,
-    marker_write,
-    parse_board,
-    sealed_write,
-)
-from hivemind_ext.averaging.group_protocol import (
+from hivemind_ext.averaging.matchmaking.protocol import (
     EAGER_POLLS,
     RECORD_LIFETIME,
     URGENT_POLL_FRACTION,

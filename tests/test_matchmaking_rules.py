@@ -13,7 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from matchmaking_builders import board_of, config, declaration, member, peer
 
-from hivemind_ext.averaging.group import (
+from hivemind_ext.averaging.matchmaking.board import (
+    MAX_GROUP_MEMBERS,
+    Marker,
+    commit_write,
+    declaration_write,
+    marker_write,
+    parse_board,
+    parse_record,
+    sealed_write,
+)
+from hivemind_ext.averaging.matchmaking.group import (
     POLLS_BEFORE_DEADLINE,
     Board,
     Commit,
@@ -27,17 +37,7 @@ from hivemind_ext.averaging.group import (
     looking_peers,
     plan_groups,
 )
-from hivemind_ext.averaging.group_board import (
-    MAX_GROUP_MEMBERS,
-    Marker,
-    commit_write,
-    declaration_write,
-    marker_write,
-    parse_board,
-    parse_record,
-    sealed_write,
-)
-from hivemind_ext.averaging.matchmaking import COMMIT_ATTEMPTS, Matchmaker
+from hivemind_ext.averaging.matchmaking.matchmaker import COMMIT_ATTEMPTS, Matchmaker
 from hivemind_ext.errors import ConfigurationError, ProtocolError
 
 NOT_DUE, DUE = 0.0, 200.0  # every declaration below is ready at 100.0

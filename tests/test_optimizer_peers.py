@@ -33,7 +33,7 @@ from swarm import LOOPBACK, local_swarm
 
 import hivemind_ext
 from hivemind_ext.averaging.control import AveragingStage
-from hivemind_ext.averaging.state_config import StateSharingConfig
+from hivemind_ext.averaging.state_sharing.config import StateSharingConfig
 from hivemind_ext.errors import AllreduceError
 
 MATCHMAKING_TIME = 1.0
@@ -185,7 +185,7 @@ def test_late_joiner_downloads_the_state_spread_over_donors_and_trains_in_line(
         "hivemind_ext.averaging.averager.StateSharingConfig",
         functools.partial(StateSharingConfig, chunk_bytes=512, inflight_bytes=1024),
     )
-    caplog.set_level(logging.INFO, logger="hivemind_ext.averaging.state_download")
+    caplog.set_level(logging.INFO, logger="hivemind_ext.averaging.state_sharing.download")
     with local_swarm(3) as dhts, shutting_down([]) as optimizers:
         trainers = make_trainers(dhts, optimizers, 2, "late")
         train_together(trainers, until_epoch=3)

@@ -25,9 +25,6 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from swarm import local_swarm, new_test_loop
 
-from hivemind_ext.averaging.state_config import LOAD_STATE_HANDLER
-from hivemind_ext.averaging.state_manifest import chunk_ranges, chunks_request, manifest_request
-from hivemind_ext.averaging.state_records import donors_key, parse_donor_records
 from hivemind_ext.averaging.state_sharing import (
     CorruptStateError,
     DonorHooks,
@@ -36,6 +33,9 @@ from hivemind_ext.averaging.state_sharing import (
     StateLoader,
     StateSharingConfig,
 )
+from hivemind_ext.averaging.state_sharing.config import LOAD_STATE_HANDLER
+from hivemind_ext.averaging.state_sharing.manifest import chunk_ranges, chunks_request, manifest_request
+from hivemind_ext.averaging.state_sharing.records import donors_key, parse_donor_records
 from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import DeadlineExceededError, DonorBusyError, StateLoadError
 from hivemind_ext.p2p import Message, RPCClient

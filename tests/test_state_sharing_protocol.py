@@ -24,9 +24,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hivemind_ext.averaging.state_config import StateSharingConfig
-from hivemind_ext.averaging.state_download import ChunkPool
-from hivemind_ext.averaging.state_manifest import (
+from hivemind_ext.averaging.state_sharing.config import StateSharingConfig
+from hivemind_ext.averaging.state_sharing.download import ChunkPool
+from hivemind_ext.averaging.state_sharing.manifest import (
     CorruptStateError,
     Manifest,
     check_chunk,
@@ -36,8 +36,8 @@ from hivemind_ext.averaging.state_manifest import (
     parse_chunks_request,
     parse_manifest,
 )
-from hivemind_ext.averaging.state_records import donor_tiers, parse_donor_record, parse_donor_records
-from hivemind_ext.averaging.state_snapshot import PreparedState, SnapshotCache, prepare_state
+from hivemind_ext.averaging.state_sharing.records import donor_tiers, parse_donor_record, parse_donor_records
+from hivemind_ext.averaging.state_sharing.snapshot import PreparedState, SnapshotCache, prepare_state
 from hivemind_ext.compression import (
     Float16Compression,
     NoCompression,

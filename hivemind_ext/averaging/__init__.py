@@ -1,11 +1,20 @@
 """Averaging: matchmaking on the DHT, fault-tolerant butterfly all-reduce, state sharing, and the
-DecentralizedAverager that ties them together (see DESIGN.md)."""
+DecentralizedAverager that ties them together (see DESIGN.md).
 
-from hivemind_ext.averaging.allreduce import AllreduceConfig, AllreduceResult, AllreduceService
+Layout:
+
+- :mod:`.averager`: :class:`DecentralizedAverager`, hivemind's averager API over the three subsystems;
+- :mod:`.control`: :class:`StepControl`, the handle on one averaging step running in the background;
+- :mod:`.matchmaking`: who averages with whom (the DHT board, the pure grouping rule, the matchmaker);
+- :mod:`.allreduce`: the butterfly all-reduce of one group round (layout, sender, owner, wire);
+- :mod:`.state_sharing`: state download for late joiners (donors, manifests, verified chunked download).
+"""
+
+from hivemind_ext.averaging.allreduce.service import AllreduceConfig, AllreduceResult, AllreduceService
 from hivemind_ext.averaging.averager import DecentralizedAverager, RoundReport
 from hivemind_ext.averaging.control import AveragingStage, StepControl
-from hivemind_ext.averaging.group import GroupInfo, Member
-from hivemind_ext.averaging.matchmaking import Matchmaker, MatchmakingConfig
+from hivemind_ext.averaging.matchmaking.group import GroupInfo, Member
+from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
 
 __all__ = [
     "AllreduceConfig",

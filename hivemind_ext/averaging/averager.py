@@ -25,14 +25,14 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from hivemind_ext.averaging.allreduce import (
+from hivemind_ext.averaging.allreduce.service import (
     DEFAULT_PART_SIZE_BYTES,
     AllreduceConfig,
     AllreduceResult,
     AllreduceService,
 )
 from hivemind_ext.averaging.control import AveragingStage, StepControl
-from hivemind_ext.averaging.matchmaking import Matchmaker, MatchmakingConfig
+from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
 from hivemind_ext.compression import Codec, CompressionInfo, NoCompression
 from hivemind_ext.compression.resolve import as_codec

@@ -17,6 +17,7 @@ import torch
 
 from hivemind_ext.compression.base import ALL_DTYPES, Codec, CompressedTensor, CompressionInfo, Key, TensorRole
 from hivemind_ext.compression.floating import NoCompression
+from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import CompressionError, ConfigurationError
 
 
@@ -51,8 +52,6 @@ def _info_for(codec: Codec, tensor: torch.Tensor, info: CompressionInfo | None) 
 
 
 def _inner(obj: Any, what: str) -> Codec:
-    from hivemind_ext.compression.resolve import as_codec  # resolve imports this module
-
     try:
         return as_codec(obj)
     except ConfigurationError as e:

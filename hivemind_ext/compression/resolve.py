@@ -65,7 +65,8 @@ def _convert(obj: Any, active: set[int]) -> Codec:
 
 
 def _our_class(name: str) -> type[Codec]:
-    """Our codec class of that name, imported lazily (the quantization codecs live in other modules)."""
+    """Our codec class of that name, looked up in the package (the quantization codecs and the adaptive
+    wrappers live in modules that depend on this one: the wrappers convert their inner codecs here)."""
     package = importlib.import_module("hivemind_ext.compression")
     cls = getattr(package, name, None)
     if not (isinstance(cls, type) and issubclass(cls, Codec)):
@@ -99,9 +100,7 @@ def _uniform8bit(obj: Any, convert: Convert) -> Codec:
 
 
 def _size_adaptive(obj: Any, convert: Convert) -> Codec:
-    from hivemind_ext.compression.adaptive import SizeAdaptiveCompression
-
-    return SizeAdaptiveCompression(
+    return _our_class("SizeAdaptiveCompression")(
         _hivemind_attribute(obj, "threshold"),
         less=convert(_hivemind_attribute(obj, "less")),
         greater_equal=convert(_hivemind_attribute(obj, "greater_equal")),
@@ -109,15 +108,13 @@ def _size_adaptive(obj: Any, convert: Convert) -> Codec:
 
 
 def _role_adaptive(obj: Any, convert: Convert) -> Codec:
-    from hivemind_ext.compression.adaptive import RoleAdaptiveCompression
-
     by_name = {
         getattr(role, "name", role): codec for role, codec in _hivemind_attribute(obj, "role_compressions").items()
     }
     missing = [role for role in TensorRole.__members__ if role not in by_name]
     if missing:
         raise ConfigurationError(f"hivemind RoleAdaptiveCompression has no codec for roles {missing}")
-    return RoleAdaptiveCompression(
+    return _our_class("RoleAdaptiveCompression")(
         activation=convert(by_name["ACTIVATION"]),
         parameter=convert(by_name["PARAMETER"]),
         gradient=convert(by_name["GRADIENT"]),
@@ -127,13 +124,11 @@ def _role_adaptive(obj: Any, convert: Convert) -> Codec:
 
 
 def _per_tensor(obj: Any, convert: Convert) -> Codec:
-    from hivemind_ext.compression.adaptive import PerTensorCompression
-
     codecs = _hivemind_attribute(obj, "tensor_compressions")
     if isinstance(codecs, Mapping):
-        return PerTensorCompression({key: convert(codec) for key, codec in codecs.items()})
+        return _our_class("PerTensorCompression")({key: convert(codec) for key, codec in codecs.items()})
     if isinstance(codecs, Sequence) and not isinstance(codecs, str | bytes):
-        return PerTensorCompression([convert(codec) for codec in codecs])
+        return _our_class("PerTensorCompression")([convert(codec) for codec in codecs])
     raise ConfigurationError(
         f"hivemind PerTensorCompression holds a {type(codecs).__name__}, expected a sequence or a mapping"
     )

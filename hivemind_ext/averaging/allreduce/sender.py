@@ -19,17 +19,17 @@ import logging
 
 from hivemind.p2p import PeerID
 
-from hivemind_ext.averaging.allreduce_layout import ChunkSpec, RoundLayout
-from hivemind_ext.averaging.allreduce_round import RoundContext
-from hivemind_ext.averaging.allreduce_types import PartOutcome
-from hivemind_ext.averaging.allreduce_wire import (
+from hivemind_ext.averaging.allreduce.api import PartOutcome
+from hivemind_ext.averaging.allreduce.layout import ChunkSpec, RoundLayout
+from hivemind_ext.averaging.allreduce.reducer import all_finite
+from hivemind_ext.averaging.allreduce.round_state import RoundContext
+from hivemind_ext.averaging.allreduce.wire import (
     HANDLER_NAME,
     chunk_message,
     join_message,
     parse_chunk,
     parse_result_head,
 )
-from hivemind_ext.averaging.reducer import all_finite
 from hivemind_ext.compression import (
     BFloat16Compression,
     CompressedTensor,

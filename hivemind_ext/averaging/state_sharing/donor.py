@@ -12,8 +12,8 @@ Usage (inside the averager's event loop)::
 The download handler runs on the donor's own :class:`~hivemind_ext.p2p.RPCServer` (namespace
 ``<prefix>.state``), independently of any averaging work: it never waits for an all-reduce, only
 (at most ``snapshot_timeout``) for ``get_state``, and it answers "busy" at once when
-``max_concurrent_downloads`` downloads are in progress. See :mod:`.state_manifest` for the wire
-format and :mod:`.state_snapshot` for snapshots.
+``max_concurrent_downloads`` downloads are in progress. See :mod:`.manifest` for the wire
+format and :mod:`.snapshot` for snapshots.
 
 Client-mode peers accept no incoming connections: their donor neither registers the handler nor
 advertises, and :attr:`StateDonor.serving` is False.
@@ -32,8 +32,8 @@ from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from hivemind_ext.averaging.state_config import LOAD_STATE_HANDLER, StateSharingConfig
-from hivemind_ext.averaging.state_manifest import (
+from hivemind_ext.averaging.state_sharing.config import LOAD_STATE_HANDLER, StateSharingConfig
+from hivemind_ext.averaging.state_sharing.manifest import (
     MAX_CHUNK_PAYLOAD_BYTES,
     MAX_MANIFEST_BYTES,
     chunk_response,
@@ -42,8 +42,8 @@ from hivemind_ext.averaging.state_manifest import (
     parse_manifest_request,
     refusal_response,
 )
-from hivemind_ext.averaging.state_records import MAX_VERSION, donor_value, donors_key
-from hivemind_ext.averaging.state_snapshot import PreparedState, SnapshotCache, StateGetter
+from hivemind_ext.averaging.state_sharing.records import MAX_VERSION, donor_value, donors_key
+from hivemind_ext.averaging.state_sharing.snapshot import PreparedState, SnapshotCache, StateGetter
 from hivemind_ext.errors import (
     ClosedError,
     ConfigurationError,

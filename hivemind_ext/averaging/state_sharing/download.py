@@ -2,7 +2,7 @@
 
 How one download goes (:meth:`StateLoader.load_state`):
 
-1. Read the donor records of the prefix (:mod:`.state_records`) and group the donors that accept
+1. Read the donor records of the prefix (:mod:`.records`) and group the donors that accept
    downloads by version, newest first. No such donor: return ``None`` (like hivemind).
 2. For the newest version, ask up to ``max_parallel_donors`` of its donors for their manifest at
    once. The first valid manifest fixes what is downloaded (version, tensors, chunk layout, metadata);
@@ -38,8 +38,8 @@ from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from hivemind_ext.averaging.state_config import LOAD_STATE_HANDLER, StateSharingConfig
-from hivemind_ext.averaging.state_manifest import (
+from hivemind_ext.averaging.state_sharing.config import LOAD_STATE_HANDLER, StateSharingConfig
+from hivemind_ext.averaging.state_sharing.manifest import (
     MAX_CHUNK_PAYLOAD_BYTES,
     MAX_INDICES_PER_REQUEST,
     MAX_MANIFEST_BYTES,
@@ -50,7 +50,7 @@ from hivemind_ext.averaging.state_manifest import (
     manifest_request,
     parse_manifest,
 )
-from hivemind_ext.averaging.state_records import DonorRecord, donor_tiers, donors_key, parse_donor_records
+from hivemind_ext.averaging.state_sharing.records import DonorRecord, donor_tiers, donors_key, parse_donor_records
 from hivemind_ext.compression import decompress
 from hivemind_ext.errors import (
     CompressionError,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hivemind_ext.averaging.state_manifest import (
+from hivemind_ext.averaging.state_sharing.manifest import (
     ChunkSpec,
     Manifest,
     TensorSpec,

@@ -4,7 +4,7 @@ Pure functions of the tensors' shapes and dtypes, the group's member roles and t
 every member computes the same layout from the same inputs, and tests drive them directly.
 
 The tensors are seen as one flat vector (their flattened values, one tensor after the other).
-:func:`~hivemind_ext.averaging.partition.part_sizes` cuts it into one part per member, in member
+:func:`~hivemind_ext.averaging.allreduce.partition.part_sizes` cuts it into one part per member, in member
 order, in proportion to bandwidth (client-mode members get empty parts). Each part is then cut at
 tensor boundaries and into chunks of at most ``part_size_bytes`` (as hivemind does), so that
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from hivemind_ext.averaging.group import Member
-from hivemind_ext.averaging.partition import MemberRole, part_bounds, part_sizes
+from hivemind_ext.averaging.allreduce.partition import MemberRole, part_bounds, part_sizes
+from hivemind_ext.averaging.matchmaking.group import Member
 from hivemind_ext.compression.base import DTYPES_BY_NAME, MAX_NDIM, MAX_NUMEL, NAMES_BY_DTYPE
 from hivemind_ext.errors import ConfigurationError, ProtocolError
 

@@ -2,7 +2,7 @@
 
 :func:`step` takes the peer's state, the clock and one parsed read of the DHT, and returns the next
 state, the records to store, and the group once it is final. The I/O loop in
-:mod:`hivemind_ext.averaging.matchmaking` only reads, calls :func:`step`, writes and sleeps; tests
+:mod:`hivemind_ext.averaging.matchmaking.matchmaker` only reads, calls :func:`step`, writes and sleeps; tests
 run the same function over simulated, lagging DHT views. The protocol itself (phases, why it makes
 members agree, and its failure modes) is described in that module's docstring.
 
@@ -16,7 +16,8 @@ import hashlib
 import math
 from dataclasses import dataclass, replace
 
-from hivemind_ext.averaging.group import (
+from hivemind_ext.averaging.matchmaking.board import Write, commit_write, declaration_write, marker_write, sealed_write
+from hivemind_ext.averaging.matchmaking.group import (
     Board,
     Commit,
     Declaration,
@@ -29,7 +30,6 @@ from hivemind_ext.averaging.group import (
     looking_peers,
     plan_groups,
 )
-from hivemind_ext.averaging.group_board import Write, commit_write, declaration_write, marker_write, sealed_write
 
 RECORD_LIFETIME = 3  # in request timeouts: outlives the longest wait on a sealed group (commit_by + 1)
 REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left

@@ -20,11 +20,11 @@ API::
     await service.shutdown()
 
 Roles: every member that is not in client mode owns a part of the flattened tensors, sized by
-its declared bandwidth (see :mod:`.allreduce_layout`); client-mode members own none and only open
+its declared bandwidth (see :mod:`.layout`); client-mode members own none and only open
 streams. Auxiliary members own a part and contribute nothing (they may pass no tensors at all:
 they learn the layout from the senders' JOIN); every other member contributes its values with its
 weight. Each contributing member streams its slice of every part to the part's owner over one
-stream per (sender, owner) pair, which then carries the average back (:mod:`.allreduce_wire`).
+stream per (sender, owner) pair, which then carries the average back (:mod:`.wire`).
 
 Pipelining: a member sends to all owners at once; an owner reduces each chunk as it arrives
 (decode straight from the received buffer, validate, weighted add), its own slice included
@@ -35,7 +35,7 @@ not need: NoCompression chunks go out from the caller's tensors and are reduced 
 bytes. ``AllreduceConfig.offload_codecs`` moves codec work to worker threads (see there why it is
 off by default).
 
-Faults (see :mod:`.allreduce_owner` and :mod:`.allreduce_sender`): a sender that does not join
+Faults (see :mod:`.owner` and :mod:`.sender`): a sender that does not join
 within ``next_chunk_timeout`` of the round's start, leaves more than ``next_chunk_timeout``
 between two chunks, is still sending at ``collect_timeout``, breaks the protocol or sends invalid
 values (wrong shape or dtype, undecodable, oversized, NaN / Inf) is excluded from that part and
@@ -82,29 +82,29 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
-from hivemind_ext.averaging.allreduce_layout import (
-    check_float_tensors,
-    member_roles,
-    plan_layout,
-)
-from hivemind_ext.averaging.allreduce_owner import next_request
-from hivemind_ext.averaging.allreduce_round import CodecRunner, RoundContext, RoundTensors
-from hivemind_ext.averaging.allreduce_run import MAX_GATHER_BYTES, RoundRun
-from hivemind_ext.averaging.allreduce_types import (
+from hivemind_ext.averaging.allreduce.api import (
     DEFAULT_PART_SIZE_BYTES,
     AllreduceConfig,
     AllreduceResult,
     PartOutcome,
     RoundHooks,
 )
-from hivemind_ext.averaging.allreduce_wire import (
+from hivemind_ext.averaging.allreduce.layout import (
+    check_float_tensors,
+    member_roles,
+    plan_layout,
+)
+from hivemind_ext.averaging.allreduce.owner import next_request
+from hivemind_ext.averaging.allreduce.round_state import CodecRunner, RoundContext, RoundTensors
+from hivemind_ext.averaging.allreduce.run import MAX_GATHER_BYTES, RoundRun
+from hivemind_ext.averaging.allreduce.wire import (
     HANDLER_NAME,
     MAX_GROUP_ID_BYTES,
     pack_gather,
     parse_group_id,
     refusal_message,
 )
-from hivemind_ext.averaging.group import GroupInfo
+from hivemind_ext.averaging.matchmaking.group import GroupInfo
 from hivemind_ext.compression import CompressionInfo
 from hivemind_ext.errors import (
     AllreduceError,

@@ -23,7 +23,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hivemind_ext.averaging.group import Board, Commit, Declaration, Member, PeerKey, SealedGroup, group_id_for
+from hivemind_ext.averaging.matchmaking.group import (
+    Board,
+    Commit,
+    Declaration,
+    Member,
+    PeerKey,
+    SealedGroup,
+    group_id_for,
+)
 from hivemind_ext.errors import ProtocolError
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ Usage (inside the averager's event loop)::
 
 The protocol
 ------------
-All records of a prefix live under one DHT key (see :mod:`.group_board`); every peer polls it with
+All records of a prefix live under one DHT key (see :mod:`.board`); every peer polls it with
 ``get(key, latest=True)`` every ``poll_interval``, five times as often while a group that includes
 it is being formed and for the first ``EAGER_POLLS`` poll intervals after it starts looking (peers
 of synchronous training start together), and feeds what it read to the pure state machine
@@ -109,9 +109,15 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from hivemind_ext.averaging.group import Board, Declaration, GroupInfo, MatchmakingConfig, Member
-from hivemind_ext.averaging.group_board import Write, board_key, parse_board
-from hivemind_ext.averaging.group_protocol import URGENT_POLL_FRACTION, Looking, State, step, withdrawal
+from hivemind_ext.averaging.matchmaking.board import Write, board_key, parse_board
+from hivemind_ext.averaging.matchmaking.group import Board, Declaration, GroupInfo, MatchmakingConfig, Member
+from hivemind_ext.averaging.matchmaking.protocol import (
+    URGENT_POLL_FRACTION,
+    Looking,
+    State,
+    step,
+    withdrawal,
+)
 from hivemind_ext.errors import ConfigurationError, MatchmakingError
 
 logger = logging.getLogger(__name__)

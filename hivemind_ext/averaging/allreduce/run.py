@@ -1,9 +1,9 @@
 """One member's run of one all-reduce round: its exchange with every owner, and the part it owns.
 
-:class:`RoundRun` starts one task per owner (:mod:`.allreduce_sender`) and, if this member owns a
-part, the part's life (:mod:`.allreduce_owner`); serves the streams that the service routes to it;
+:class:`RoundRun` starts one task per owner (:mod:`.sender`) and, if this member owns a
+part, the part's life (:mod:`.owner`); serves the streams that the service routes to it;
 assembles the result; and, when it closes, stops everything it started or served. The service
-(:mod:`.allreduce`) creates one per ``run_round`` call.
+(:mod:`.service`) creates one per ``run_round`` call.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 
 from hivemind.p2p import PeerID
 
-from hivemind_ext.averaging.allreduce_layout import chunk_numel, member_roles, plan_layout
-from hivemind_ext.averaging.allreduce_owner import OwnedPart
-from hivemind_ext.averaging.allreduce_round import RoundContext
-from hivemind_ext.averaging.allreduce_sender import exchange_with_owner
-from hivemind_ext.averaging.allreduce_types import AllreduceResult, PartOutcome
-from hivemind_ext.averaging.allreduce_wire import Join, parse_join, refusal_message, unpack_gather
+from hivemind_ext.averaging.allreduce.api import AllreduceResult, PartOutcome
+from hivemind_ext.averaging.allreduce.layout import chunk_numel, member_roles, plan_layout
+from hivemind_ext.averaging.allreduce.owner import OwnedPart
+from hivemind_ext.averaging.allreduce.round_state import RoundContext
+from hivemind_ext.averaging.allreduce.sender import exchange_with_owner
+from hivemind_ext.averaging.allreduce.wire import Join, parse_join, refusal_message, unpack_gather
 from hivemind_ext.errors import DeadlineExceededError, ProtocolError
 from hivemind_ext.p2p import Message, RequestStream, RPCClient, TaskOwner, now, wait_until
 

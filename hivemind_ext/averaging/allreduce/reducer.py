@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hivemind_ext.averaging.partition import chunk_bounds
+from hivemind_ext.averaging.allreduce.partition import chunk_bounds
 from hivemind_ext.compression import CompressedTensor, decompress
 from hivemind_ext.errors import AllreduceError, CompressionError, ConfigurationError, ProtocolError
 
@@ -40,7 +40,7 @@ class PartReducer:
 
     Chunks are ``chunk_size`` values long (the last one may be shorter), unless ``bounds`` lists
     them explicitly: consecutive ``[start, end)`` offsets covering the part, as when a part is cut
-    at tensor boundaries as well (see :mod:`hivemind_ext.averaging.allreduce_layout`).
+    at tensor boundaries as well (see :mod:`hivemind_ext.averaging.allreduce.layout`).
     """
 
     def __init__(

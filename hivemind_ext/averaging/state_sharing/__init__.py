@@ -18,12 +18,12 @@ For the averager::
 
 Where the parts live:
 
-- :mod:`.state_config`: :class:`StateSharingConfig`, every knob and what it bounds;
-- :mod:`.state_records`: the donors' DHT records (key, format, strict parsing, ranking);
-- :mod:`.state_manifest`: the wire protocol (requests, manifest, chunks, digests) and its validation;
-- :mod:`.state_snapshot`: the donor's snapshots (taken in a worker thread, encoded once, reused);
-- :mod:`.state_donor`: :class:`StateDonor` (handler, advertisement) and the :class:`DonorHooks` fault seam;
-- :mod:`.state_download`: :class:`StateLoader` (donor choice, spreading, verification, retries).
+- :mod:`.config`: :class:`StateSharingConfig`, every knob and what it bounds;
+- :mod:`.records`: the donors' DHT records (key, format, strict parsing, ranking);
+- :mod:`.manifest`: the wire protocol (requests, manifest, chunks, digests) and its validation;
+- :mod:`.snapshot`: the donor's snapshots (taken in a worker thread, encoded once, reused);
+- :mod:`.donor`: :class:`StateDonor` (handler, advertisement) and the :class:`DonorHooks` fault seam;
+- :mod:`.download`: :class:`StateLoader` (donor choice, spreading, verification, retries).
 
 Errors: ``load_state_from_peers`` returns None when no peer shares a state; it raises
 :class:`~hivemind_ext.errors.StateLoadError` when donors exist but none delivered a complete, valid
@@ -37,11 +37,11 @@ a donor honest: a peer that advertises a high version and serves a consistent bu
 believed, as in hivemind.
 """
 
-from hivemind_ext.averaging.state_config import StateSharingConfig
-from hivemind_ext.averaging.state_donor import DonorHooks, DonorStats, StateDonor
-from hivemind_ext.averaging.state_download import DonorMismatchError, LoadedState, StateLoader
-from hivemind_ext.averaging.state_manifest import CorruptStateError
-from hivemind_ext.averaging.state_snapshot import StateGetter
+from hivemind_ext.averaging.state_sharing.config import StateSharingConfig
+from hivemind_ext.averaging.state_sharing.donor import DonorHooks, DonorStats, StateDonor
+from hivemind_ext.averaging.state_sharing.download import DonorMismatchError, LoadedState, StateLoader
+from hivemind_ext.averaging.state_sharing.manifest import CorruptStateError
+from hivemind_ext.averaging.state_sharing.snapshot import StateGetter
 
 __all__ = [
     "CorruptStateError",

@@ -1,8 +1,8 @@
 """Who averages with whom: the matchmaking configuration, the records peers publish, and the
 grouping rule, as pure functions of what the DHT returned and the clock.
 
-Nothing here touches the network; :mod:`hivemind_ext.averaging.group_protocol` turns these rules
-into one peer's state machine and :mod:`hivemind_ext.averaging.matchmaking` does the I/O. Keeping
+Nothing here touches the network; :mod:`hivemind_ext.averaging.matchmaking.protocol` turns these rules
+into one peer's state machine and :mod:`hivemind_ext.averaging.matchmaking.matchmaker` does the I/O. Keeping
 the rule pure lets tests check, over many generated boards, that every peer that sees the same
 records computes the same groups.
 

@@ -29,17 +29,17 @@ from collections.abc import AsyncIterator
 import torch
 from hivemind.p2p import PeerID
 
-from hivemind_ext.averaging.allreduce_layout import ChunkSpec, PartSpec
-from hivemind_ext.averaging.allreduce_round import RoundContext
-from hivemind_ext.averaging.allreduce_types import PartOutcome
-from hivemind_ext.averaging.allreduce_wire import (
+from hivemind_ext.averaging.allreduce.api import PartOutcome
+from hivemind_ext.averaging.allreduce.layout import ChunkSpec, PartSpec
+from hivemind_ext.averaging.allreduce.reducer import PartReducer, ReducedPart
+from hivemind_ext.averaging.allreduce.round_state import RoundContext
+from hivemind_ext.averaging.allreduce.wire import (
     Join,
     chunk_message,
     parse_chunk,
     refusal_message,
     result_message,
 )
-from hivemind_ext.averaging.reducer import PartReducer, ReducedPart
 from hivemind_ext.compression import CompressedTensor, NoCompression, decompress
 from hivemind_ext.errors import (
     AllreduceError,

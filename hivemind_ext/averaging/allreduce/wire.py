@@ -30,7 +30,12 @@ from typing import Any
 
 import msgpack
 
-from hivemind_ext.averaging.allreduce_layout import FINGERPRINT_BYTES, TensorSpec, describe_tensors, parse_tensor_specs
+from hivemind_ext.averaging.allreduce.layout import (
+    FINGERPRINT_BYTES,
+    TensorSpec,
+    describe_tensors,
+    parse_tensor_specs,
+)
 from hivemind_ext.compression import CompressedTensor
 from hivemind_ext.errors import CompressionError, ConfigurationError, ProtocolError
 from hivemind_ext.p2p import Message, pack_tensor, unpack_tensor

@@ -1,0 +1,19 @@
+"""Matchmaking: peers that average under one prefix find each other in hivemind's DHT and agree on
+groups, with the DHT as the only channel.
+
+Which file does what:
+
+- :mod:`.group`: the configuration, the records peers publish and the grouping rule, as pure
+  functions of what the DHT returned and the clock (tested without a network);
+- :mod:`.board`: the records of one prefix as they lie in the DHT, and their strict parsing;
+- :mod:`.protocol`: one peer's side of the protocol as a pure state machine;
+- :mod:`.matchmaker`: :class:`Matchmaker`, the thin I/O around the state machine (DHT reads and
+  writes with deadlines).
+
+Modules of this package import each other by full module path, never through this ``__init__``.
+"""
+
+from hivemind_ext.averaging.matchmaking.group import GroupInfo, MatchmakingConfig, Member
+from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker
+
+__all__ = ["GroupInfo", "Matchmaker", "MatchmakingConfig", "Member"]
