@@ -10,7 +10,8 @@ Both optimizers are driven by the same code with the same keywords (ours is a dr
 Printed per implementation:
 - wall time from all peers released to train (after every optimizer is built) to the last peer at epoch E;
 - the fraction of their training time that peers spend blocked inside ``opt.step()``;
-- the held-out accuracy at epoch E (mean over peers), the samples fed per epoch (all peers, divided
+- the held-out accuracy at epoch E (mean over peers), the largest peak RSS of a peer process (its
+  libp2p daemon not included), the samples fed per epoch (all peers, divided
   by E: includes samples a peer dropped when it fell behind and downloaded the state) and, for ours,
   the median number of samples that went into an epoch's average (target: 128; hivemind.Optimizer
   does not expose that figure);
@@ -54,6 +55,7 @@ class Measurement:
     accuracy: float | None = None
     samples_per_epoch: float | None = None
     averaged_per_epoch: float | None = None  # median samples in an epoch's average (hivemind_ext only)
+    peak_rss_mib: float | None = None  # the largest peak RSS of a peer process (daemons not included)
     total_seconds: float = 0.0
     startup_seconds: float | None = None  # from launching the processes to every optimizer built
     note: str = ""  # why figures are missing: failed peers, a timeout, an import error
@@ -107,6 +109,8 @@ def measure(impl: str, args: argparse.Namespace) -> Measurement:
             result.samples_per_epoch = sum(d["samples"] for d in done) / args.epochs
         averaged = [n for d in done for n in d.get("averaged_samples", [])]
         result.averaged_per_epoch = statistics.median(averaged) if averaged else None
+        peaks = [d["peak_rss_mib"] for d in done if d.get("peak_rss_mib") is not None]
+        result.peak_rss_mib = max(peaks) if peaks else None
     if failed:
         reasons = "; ".join(
             f"peer {p.index}: {(p.error or 'no result').strip().splitlines()[-1][:120]}" for p in failed[:3]
@@ -173,7 +177,7 @@ def main() -> None:
             f"blocked in opt.step(): {fmt(m.blocked_fraction, '.1%')} | "
             f"held-out accuracy: {fmt(m.accuracy, '.4f')} | samples fed per epoch: {fmt(m.samples_per_epoch, '.0f')} "
             f"(target {args.target_batch_size}), median in an epoch's average: {fmt(m.averaged_per_epoch, '.0f')} | "
-            f"{m.total_seconds:.0f} s in all, "
+            f"peak RSS of a peer: {fmt(m.peak_rss_mib, '.0f', ' MiB')} | {m.total_seconds:.0f} s in all, "
             f"start-up {fmt(m.startup_seconds, '.0f', ' s')}" + (f" | {m.note}" if m.note else ""),
             flush=True,
         )
@@ -202,6 +206,9 @@ def main() -> None:
             None,
         ),
         Result(case, "median samples in an epoch's average", rounded(ours.averaged_per_epoch, 1), None, None),
+        lower_is_better(
+            case, "peak RSS of a peer process (MiB)", rounded(ours.peak_rss_mib, 1), rounded(theirs.peak_rss_mib, 1)
+        ),
     ]
     emit("optimizer", results)
 

@@ -80,6 +80,17 @@ def make_model(seed: int = 0) -> Any:
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
 
 
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory in MiB (the libp2p daemon, a child process, is not included);
+    None where the platform has no ``resource`` module (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    scale = 1 / 1024 if sys.platform != "darwin" else 1 / 2**20  # Linux reports KiB, macOS bytes
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
 def accuracy(model: Any, x: np.ndarray, y: np.ndarray) -> float:
     import torch
 
@@ -264,6 +275,7 @@ def train_peer(
                 "step_seconds": stats.step_seconds,
                 "blocked_fraction": stats.blocked_fraction,
                 "loss": stats.loss,
+                "peak_rss_mib": peak_rss_mib(),
             },
         )
         while keep_alive():
