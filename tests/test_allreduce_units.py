@@ -12,13 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hivemind_ext.averaging.allreduce.layout import (
-    TensorSpec,
-    chunk_numel,
-    member_roles,
-    parse_tensor_specs,
-    plan_layout,
-)
+from hivemind_ext.averaging.allreduce.layout import member_roles, plan_layout
 from hivemind_ext.averaging.allreduce.partition import MemberRole
 from hivemind_ext.averaging.allreduce.reducer import PartReducer, all_finite
 from hivemind_ext.averaging.allreduce.wire import (
@@ -32,6 +26,7 @@ from hivemind_ext.averaging.allreduce.wire import (
     unpack_gather,
 )
 from hivemind_ext.averaging.matchmaking.group import Member
+from hivemind_ext.averaging.tensor_layout import TensorSpec, chunk_numel, parse_tensor_list
 from hivemind_ext.compression import NoCompression
 from hivemind_ext.errors import ConfigurationError, ProtocolError
 from hivemind_ext.p2p import Message, pack_tensor
@@ -108,7 +103,7 @@ def test_undeclared_bandwidth_is_the_mean_of_the_declared_ones() -> None:
 )
 def test_tensor_descriptions_from_peers_are_validated(description) -> None:
     with pytest.raises(ProtocolError):
-        parse_tensor_specs(description)
+        parse_tensor_list(description, floats_only=True)
 
 
 def test_join_round_trip_and_rejections() -> None:

@@ -34,8 +34,9 @@ from hivemind_ext.averaging.state_sharing import (
     StateSharingConfig,
 )
 from hivemind_ext.averaging.state_sharing.config import LOAD_STATE_HANDLER
-from hivemind_ext.averaging.state_sharing.manifest import chunk_ranges, chunks_request, manifest_request
+from hivemind_ext.averaging.state_sharing.manifest import chunks_request, manifest_request
 from hivemind_ext.averaging.state_sharing.records import donors_key, parse_donor_records
+from hivemind_ext.averaging.tensor_layout import TensorSpec, chunk_tensors
 from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import DeadlineExceededError, DonorBusyError, StateLoadError
 from hivemind_ext.p2p import Message, RPCClient
@@ -109,7 +110,7 @@ def make_state(seed: int, float_elements: int = 300_000) -> tuple[dict[str, Any]
 
 
 def num_chunks(state: tuple[dict[str, Any], list[torch.Tensor]], chunk_bytes: int = CHUNK) -> int:
-    return sum(len(chunk_ranges(t.numel(), t.element_size(), chunk_bytes)) for t in state[1])
+    return len(chunk_tensors([TensorSpec.of(t) for t in state[1]], chunk_bytes))
 
 
 def assert_same_state(loaded: LoadedState, state: tuple[dict[str, Any], list[torch.Tensor]]) -> None:

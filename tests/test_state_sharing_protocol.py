@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 from hivemind_ext.averaging.state_sharing.config import StateSharingConfig
 from hivemind_ext.averaging.state_sharing.download import ChunkPool
 from hivemind_ext.averaging.state_sharing.manifest import (
+    FORMAT,
     CorruptStateError,
     Manifest,
     check_chunk,
-    chunk_ranges,
     chunks_request,
     manifest_digest,
     parse_chunks_request,
@@ -38,6 +38,7 @@ from hivemind_ext.averaging.state_sharing.manifest import (
 )
 from hivemind_ext.averaging.state_sharing.records import donor_tiers, parse_donor_record, parse_donor_records
 from hivemind_ext.averaging.state_sharing.snapshot import PreparedState, SnapshotCache, prepare_state
+from hivemind_ext.averaging.tensor_layout import TensorSpec, chunk_tensors
 from hivemind_ext.compression import (
     Float16Compression,
     NoCompression,
@@ -83,7 +84,7 @@ def reassemble(state: PreparedState) -> list[torch.Tensor]:
     for index, (spec, chunk) in enumerate(zip(manifest.chunks, state.chunks, strict=True)):
         header = {"chunk": index, "tensor": chunk.tensor_header}
         received = check_chunk(manifest, spec, index, header, bytearray(chunk.payload_view()))
-        outputs[spec.tensor].view(-1)[spec.start : spec.stop].copy_(decompress(received))
+        outputs[spec.tensor].view(-1)[spec.start : spec.end].copy_(decompress(received))
     return outputs
 
 
@@ -217,10 +218,14 @@ def test_lossy_codec_compresses_floats_and_sends_other_dtypes_raw() -> None:
                 assert torch.equal(got, expected)
 
 
+def chunk_ranges(numel: int, dtype: torch.dtype, chunk_bytes: int) -> list[tuple[int, int]]:
+    return [(c.start, c.end) for c in chunk_tensors([TensorSpec((numel,), dtype)], chunk_bytes)]
+
+
 def test_chunk_ranges_tile_the_tensor() -> None:
-    assert chunk_ranges(10, 4, 8) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
-    assert chunk_ranges(0, 4, 8) == []
-    assert chunk_ranges(3, 8, 1) == [(0, 1), (1, 2), (2, 3)]  # at least one element per chunk
+    assert chunk_ranges(10, torch.float32, 8) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert chunk_ranges(0, torch.float32, 8) == []
+    assert chunk_ranges(3, torch.float64, 1) == [(0, 1), (1, 2), (2, 3)]  # at least one element per chunk
 
 
 def _set(path: tuple, value: Any) -> Callable[[dict], None]:
@@ -236,15 +241,15 @@ def _set(path: tuple, value: Any) -> Callable[[dict], None]:
 @pytest.mark.parametrize(
     "mutate",
     [
-        _set(("format",), 2),
+        _set(("format",), FORMAT + 1),
         _set(("version",), -1),
         _set(("version",), True),
         _set(("snapshot",), "xyz"),
         _set(("metadata",), "not bytes"),
         _set(("metadata",), b"\xc1"),  # never-used msgpack byte
-        _set(("tensors", 0, 0), "complex64"),
-        _set(("tensors", 0, 1), [-1]),
-        _set(("tensors", 0, 1), [2**41]),
+        _set(("tensors", 0, 1), "complex64"),
+        _set(("tensors", 0, 0), [-1]),
+        _set(("tensors", 0, 0), [2**41]),
         _set(("tensors", 0), ["float32"]),
         _set(("chunks", 1, 1), 3),  # a gap in the tiling
         _set(("chunks", 0, 2), 0),  # an empty chunk
@@ -255,7 +260,7 @@ def _set(path: tuple, value: Any) -> Callable[[dict], None]:
         lambda raw: raw["chunks"].append(raw["chunks"][-1]),  # a chunk past the end
         lambda raw: raw.pop("metadata"),
         lambda raw: raw.update(extra=1),
-        lambda raw: raw["tensors"].append(["float32", [1 << 31]]),  # over max_state_bytes
+        lambda raw: raw["tensors"].append([[1 << 31], "float32"]),  # over max_state_bytes
     ],
 )
 def test_malformed_manifests_are_rejected(mutate: Callable[[dict], None]) -> None:

@@ -8,6 +8,10 @@ Layout:
 - :mod:`.matchmaking`: who averages with whom (the DHT board, the pure grouping rule, the matchmaker);
 - :mod:`.allreduce`: the butterfly all-reduce of one group round (layout, sender, owner, wire);
 - :mod:`.state_sharing`: state download for late joiners (donors, manifests, verified chunked download).
+- :mod:`.tensor_layout`: the tensor layout both of them use (tensor and chunk specs, the chunker, the
+  wire encoding of a tensor list);
+- :mod:`.delta`: "snapshot, average, apply ``average - snapshot``", for every caller that averages
+  copies while the live tensors keep changing.
 """
 
 from hivemind_ext.averaging.allreduce.service import AllreduceConfig, AllreduceResult, AllreduceService

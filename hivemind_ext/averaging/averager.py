@@ -32,6 +32,7 @@ from hivemind_ext.averaging.allreduce.service import (
     AllreduceService,
 )
 from hivemind_ext.averaging.control import AveragingStage, StepControl
+from hivemind_ext.averaging.delta import apply_average
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
 from hivemind_ext.compression import Codec, CompressionInfo, NoCompression
@@ -457,14 +458,15 @@ class DecentralizedAverager:
             if group.size > 1 and not any(len(part.contributors) > 1 for part in result.parts):
                 raise AllreduceError(f"the round with {group.size} peers averaged nothing: {result.excluded}")
             if not self.auxiliary:
-                with self._lock:
-                    for tensor, before, average in zip(
-                        self._averaged_tensors, start_values, result.tensors, strict=True
-                    ):
-                        if self.averaging_alpha == 1.0 and not self.keep_concurrent_updates:
-                            tensor.copy_(average)  # bit-identical results on every member
-                        else:  # average is a scratch tensor of this round: no temporary tensor
-                            tensor.add_(average.sub_(before), alpha=self.averaging_alpha)
+                with self._lock:  # the outputs are this round's scratch tensors: the delta goes in place
+                    apply_average(
+                        self._averaged_tensors,
+                        result.tensors,
+                        start_values,
+                        alpha=self.averaging_alpha,
+                        in_place=True,
+                        keep_concurrent_updates=self.keep_concurrent_updates,
+                    )
                 self.last_updated = get_dht_time()
         finally:  # run_round returns (or raises) only once nothing writes into the outputs any more
             if start_values:

@@ -302,7 +302,7 @@ class Codec(ABC):
         """Compressed size over raw size, estimated without compressing; lower is smaller."""
         numel = max(info.numel(), 1)
         params = self.nominal_params(info)
-        return self.payload_nbytes(numel, info.dtype, params) / (numel * _itemsize(info.dtype))
+        return self.payload_nbytes(numel, info.dtype, params) / (numel * info.dtype.itemsize)
 
     def nominal_params(self, info: CompressionInfo) -> dict[str, Any]:
         """The params this codec would write for a tensor described by ``info`` (for size estimates)."""
@@ -345,10 +345,6 @@ def decompress(message: CompressedTensor, device: torch.device | str | None = No
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def aligned(nbytes: int) -> int:

@@ -64,7 +64,7 @@ class NoCompression(Codec):
 
     @classmethod
     def payload_nbytes(cls, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> int:
-        return numel * torch.empty((), dtype=dtype).element_size()
+        return numel * dtype.itemsize
 
     @classmethod
     def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:

@@ -21,6 +21,7 @@ from hivemind import DHT
 
 from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.averaging.control import StepControl
+from hivemind_ext.averaging.delta import apply_average, take_snapshot
 from hivemind_ext.errors import HivemindExtError
 from hivemind_ext.optim.training_state import TrainingState
 
@@ -64,7 +65,7 @@ class TrainingStateAverager(DecentralizedAverager):
             raise HivemindExtError("a state averaging round is already running")
         with self.state_lock, self.get_tensors() as buffers:
             live = self.training_state.averaged_tensors()
-            snapshot = [t.detach().float().clone() for t in live]
+            snapshot = take_snapshot(live)
             torch._foreach_copy_(list(buffers), snapshot)
             self._snapshot = snapshot
         if control is None:
@@ -95,9 +96,7 @@ class TrainingStateAverager(DecentralizedAverager):
         with self.state_lock, self.get_tensors() as buffers:
             live = self.training_state.averaged_tensors()
             assert self._snapshot is not None
-            with torch.no_grad():
-                for target, average, before in zip(live, buffers, self._snapshot, strict=True):
-                    target.add_((average - before).to(target.dtype))
+            apply_average(live, buffers, self._snapshot)
             self._snapshot = None
             self.training_state.copy_to_model()
         return True

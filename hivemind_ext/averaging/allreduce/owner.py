@@ -30,7 +30,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.allreduce.api import PartOutcome
-from hivemind_ext.averaging.allreduce.layout import ChunkSpec, PartSpec
+from hivemind_ext.averaging.allreduce.layout import PartSpec
 from hivemind_ext.averaging.allreduce.reducer import PartReducer, ReducedPart
 from hivemind_ext.averaging.allreduce.round_state import RoundContext
 from hivemind_ext.averaging.allreduce.wire import (
@@ -40,6 +40,7 @@ from hivemind_ext.averaging.allreduce.wire import (
     refusal_message,
     result_message,
 )
+from hivemind_ext.averaging.tensor_layout import ChunkSpec
 from hivemind_ext.compression import CompressedTensor, NoCompression, decompress
 from hivemind_ext.errors import (
     AllreduceError,

@@ -19,8 +19,9 @@ import torch
 from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.allreduce.api import AllreduceConfig, PartOutcome, RoundHooks
-from hivemind_ext.averaging.allreduce.layout import ChunkSpec, PartSpec, RoundLayout
+from hivemind_ext.averaging.allreduce.layout import PartSpec, RoundLayout
 from hivemind_ext.averaging.matchmaking.group import Member
+from hivemind_ext.averaging.tensor_layout import ChunkSpec
 from hivemind_ext.compression import CompressionInfo
 from hivemind_ext.errors import AllreduceError, ClosedError, ConfigurationError
 from hivemind_ext.p2p import Limits, now

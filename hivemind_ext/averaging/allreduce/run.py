@@ -16,11 +16,13 @@ from typing import Any
 from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.allreduce.api import AllreduceResult, PartOutcome
-from hivemind_ext.averaging.allreduce.layout import chunk_numel, member_roles, plan_layout
+from hivemind_ext.averaging.allreduce.layout import member_roles, plan_layout
 from hivemind_ext.averaging.allreduce.owner import OwnedPart
 from hivemind_ext.averaging.allreduce.round_state import RoundContext
 from hivemind_ext.averaging.allreduce.sender import exchange_with_owner
 from hivemind_ext.averaging.allreduce.wire import Join, parse_join, refusal_message, unpack_gather
+from hivemind_ext.averaging.tensor_layout import chunk_numel
+from hivemind_ext.compression.chunks import num_chunks
 from hivemind_ext.errors import DeadlineExceededError, ProtocolError
 from hivemind_ext.p2p import Message, RequestStream, RPCClient, TaskOwner, now, wait_until
 
@@ -154,7 +156,8 @@ class RoundRun:
         matches the layout it describes (a member that lies about it can only spoil this one part:
         the honest senders' JOINs then fail the fingerprint check)."""
         context = self.context
-        chunks = sum(-(-spec.numel // chunk_numel(spec.dtype, context.config.part_size_bytes)) for spec in join.tensors)
+        chunk_bytes = context.config.part_size_bytes
+        chunks = sum(num_chunks(spec.numel, chunk_numel(spec.dtype, chunk_bytes)) for spec in join.tensors)
         if chunks > MAX_LEARNED_CHUNKS:
             raise ProtocolError(f"the JOIN describes {chunks} chunks, more than the {MAX_LEARNED_CHUNKS} accepted")
         layout = plan_layout(join.tensors, member_roles(context.members), context.config.part_size_bytes)

@@ -20,7 +20,7 @@ import logging
 from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.allreduce.api import PartOutcome
-from hivemind_ext.averaging.allreduce.layout import ChunkSpec, RoundLayout
+from hivemind_ext.averaging.allreduce.layout import RoundLayout
 from hivemind_ext.averaging.allreduce.reducer import all_finite
 from hivemind_ext.averaging.allreduce.round_state import RoundContext
 from hivemind_ext.averaging.allreduce.wire import (
@@ -30,6 +30,7 @@ from hivemind_ext.averaging.allreduce.wire import (
     parse_chunk,
     parse_result_head,
 )
+from hivemind_ext.averaging.tensor_layout import ChunkSpec
 from hivemind_ext.compression import (
     BFloat16Compression,
     CompressedTensor,

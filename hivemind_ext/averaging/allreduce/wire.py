@@ -30,12 +30,8 @@ from typing import Any
 
 import msgpack
 
-from hivemind_ext.averaging.allreduce.layout import (
-    FINGERPRINT_BYTES,
-    TensorSpec,
-    describe_tensors,
-    parse_tensor_specs,
-)
+from hivemind_ext.averaging.allreduce.layout import FINGERPRINT_BYTES
+from hivemind_ext.averaging.tensor_layout import TensorSpec, encode_tensor_list, parse_tensor_list
 from hivemind_ext.compression import CompressedTensor
 from hivemind_ext.errors import CompressionError, ConfigurationError, ProtocolError
 from hivemind_ext.p2p import Message, pack_tensor, unpack_tensor
@@ -89,7 +85,7 @@ def join_message(
     group_id: bytes, fingerprint: bytes, weight: float, gather: bytes, tensors: list[TensorSpec]
 ) -> Message:
     header = {"v": PROTOCOL_VERSION, "group": group_id, "layout": fingerprint, "weight": weight}
-    body = msgpack.packb({"gather": gather, "tensors": describe_tensors(tensors)}, use_bin_type=True)
+    body = msgpack.packb({"gather": gather, "tensors": encode_tensor_list(tensors)}, use_bin_type=True)
     return Message(header, body)
 
 
@@ -115,7 +111,7 @@ def parse_join(message: Message, max_gather_bytes: int) -> Join:
     gather, tensors = body.get("gather"), body.get("tensors")
     if not isinstance(gather, bytes) or len(gather) > max_gather_bytes:
         raise ProtocolError(f"JOIN needs 'gather' bytes (at most {max_gather_bytes})")
-    return Join(group_id, fingerprint, float(weight), gather, parse_tensor_specs(tensors))
+    return Join(group_id, fingerprint, float(weight), gather, parse_tensor_list(tensors, floats_only=True))
 
 
 def chunk_message(message: CompressedTensor, index: int) -> Message:

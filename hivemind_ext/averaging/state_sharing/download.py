@@ -428,7 +428,7 @@ class _TierDownload:
             values = decompress(chunk)
         except CompressionError as e:
             raise CorruptStateError(f"chunk {index} cannot be decoded: {e}") from None
-        self.flat_outputs[spec.tensor][spec.start : spec.stop].copy_(values)
+        self.flat_outputs[spec.tensor][spec.start : spec.end].copy_(values)
 
 
 async def _fetch_manifest(stream: ClientStream, donor: str, deadline: float, max_state_bytes: int) -> Manifest:

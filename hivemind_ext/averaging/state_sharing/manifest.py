@@ -10,14 +10,17 @@ One download is one streaming call to the donor's ``load_state`` handler (namesp
     donor    -> {"chunk": i, "tensor": <compressed tensor header>} + payload   (one per index, in order)
     newcomer -> END                                                           donor -> END
 
-The manifest (msgpack map, format 1) describes one snapshot::
+The manifest (msgpack map, format 2) describes one snapshot::
 
-    {"format": 1, "version": int, "snapshot": str, "metadata": bin (msgpack of the user's metadata),
-     "tensors": [[dtype name, [dims...]], ...],
-     "chunks": [[tensor index, start, stop, payload bytes, sha256], ...]}
+    {"format": 2, "version": int, "snapshot": str, "metadata": bin (msgpack of the user's metadata),
+     "tensors": [[[dims...], dtype name], ...],
+     "chunks": [[tensor index, start, end, payload bytes, sha256], ...]}
 
-Chunks are element ranges of the flattened tensors; they tile every tensor in order (a tensor with
-no elements has no chunk). A chunk's digest is the SHA-256 of its compressed tensor header (as
+The tensor list and the chunks are those of the layout the all-reduce uses too
+(:mod:`hivemind_ext.averaging.tensor_layout`: same specs, same encoding and parsing of the tensor
+list, same chunker). Format 2 is format 1 with each tensor entry in that shared order. Chunks are
+element ranges of the flattened tensors; they tile every tensor in order (a tensor with no
+elements has no chunk). A chunk's digest is the SHA-256 of its compressed tensor header (as
 :meth:`CompressedTensor.header_bytes` writes it, so codec parameters are covered) followed by its
 payload. The manifest's own digest travels in the response header. A newcomer checks every field
 before it allocates anything, and every chunk against the manifest of the donor that sent it:
@@ -27,24 +30,27 @@ donors of the same version need not hold bitwise-identical states, only the same
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import torch
 
+from hivemind_ext.averaging.tensor_layout import (
+    ChunkSpec,
+    TensorSpec,
+    encode_tensor_list,
+    parse_tensor_list,
+    tensor_offsets,
+)
 from hivemind_ext.compression import CompressedTensor
-from hivemind_ext.compression.base import DTYPES_BY_NAME, MAX_NDIM, MAX_NUMEL, NAMES_BY_DTYPE
 from hivemind_ext.errors import CompressionError, ProtocolError
 
-FORMAT = 1
+FORMAT = 2
 DIGEST_BYTES = 32  # SHA-256: the fastest of hashlib's strong digests on CPUs with SHA extensions
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_METADATA_BYTES = 32 * 1024 * 1024
-MAX_TENSORS = 1 << 20
 MAX_CHUNKS = 1 << 21
 MAX_CHUNK_PAYLOAD_BYTES = 256 * 1024 * 1024
 MAX_INDICES_PER_REQUEST = 4096
@@ -57,37 +63,16 @@ class CorruptStateError(ProtocolError):
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+class ManifestChunk(ChunkSpec):
+    """A chunk of the shared layout, and its compressed payload as the donor encoded it: ``nbytes``
+    bytes whose :func:`chunk_digest` is ``digest``."""
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.element_size
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """Elements ``[start, stop)`` of flattened tensor ``tensor``; ``nbytes`` and ``digest`` describe its
-    compressed payload as the donor encoded it."""
-
-    tensor: int
-    start: int
-    stop: int
     nbytes: int
     digest: bytes
 
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
+    @classmethod
+    def of(cls, chunk: ChunkSpec, nbytes: int, digest: bytes) -> ManifestChunk:
+        return cls(chunk.tensor, chunk.start, chunk.end, chunk.piece, chunk.offset, nbytes, digest)
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,25 +81,19 @@ class Manifest:
     snapshot: str
     metadata: Any
     tensors: tuple[TensorSpec, ...]
-    chunks: tuple[ChunkSpec, ...]
+    chunks: tuple[ManifestChunk, ...]
 
     def layout(self) -> tuple[Any, ...]:
         """What must match for chunks of two donors to be combined: version, tensors and chunk ranges."""
-        return self.version, self.tensors, tuple((c.tensor, c.start, c.stop) for c in self.chunks)
+        return self.version, self.tensors, tuple((c.tensor, c.start, c.end) for c in self.chunks)
 
     def raw_chunk_bytes(self, index: int) -> int:
         """Bytes of chunk ``index`` once decoded (what it costs the newcomer, whatever the codec)."""
         chunk = self.chunks[index]
-        return chunk.numel * self.tensors[chunk.tensor].element_size
+        return chunk.numel * self.tensors[chunk.tensor].dtype.itemsize
 
 
-# ----- chunk layout and digests (donor and newcomer)
-
-
-def chunk_ranges(numel: int, element_size: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Element ranges of about ``chunk_bytes`` raw bytes each, tiling ``[0, numel)``."""
-    step = max(1, chunk_bytes // element_size)
-    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+# ----- chunk digests (donor and newcomer)
 
 
 def chunk_digest(chunk: CompressedTensor) -> bytes:
@@ -137,8 +116,8 @@ def encode_manifest(manifest: Manifest, packed_metadata: bytes) -> bytes:
             "version": manifest.version,
             "snapshot": manifest.snapshot,
             "metadata": packed_metadata,
-            "tensors": [[NAMES_BY_DTYPE[t.dtype], list(t.shape)] for t in manifest.tensors],
-            "chunks": [[c.tensor, c.start, c.stop, c.nbytes, c.digest] for c in manifest.chunks],
+            "tensors": encode_tensor_list(manifest.tensors),
+            "chunks": [[c.tensor, c.start, c.end, c.nbytes, c.digest] for c in manifest.chunks],
         },
         use_bin_type=True,
     )
@@ -179,50 +158,36 @@ def parse_manifest(payload: bytes | bytearray, declared_digest: Any, *, max_stat
 
 
 def _parse_tensors(rows: Any, max_state_bytes: int) -> tuple[TensorSpec, ...]:
-    if not isinstance(rows, list) or len(rows) > MAX_TENSORS:
-        raise CorruptStateError(f"tensors must be a list of at most {MAX_TENSORS} entries")
-    specs, total_bytes = [], 0
-    for row in rows:
-        if not isinstance(row, list) or len(row) != 2:
-            raise CorruptStateError(f"a tensor entry must be [dtype, shape], got {row!r:.80}")
-        dtype_name, shape = row
-        if not isinstance(dtype_name, str) or dtype_name not in DTYPES_BY_NAME:
-            raise CorruptStateError(f"unsupported dtype {dtype_name!r:.40}")
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM:
-            raise CorruptStateError(f"a shape must be a list of at most {MAX_NDIM} dimensions")
-        if not all(type(dim) is int and 0 <= dim <= MAX_NUMEL for dim in shape) or math.prod(shape) > MAX_NUMEL:
-            raise CorruptStateError(f"malformed shape {shape!r:.80}")
-        spec = TensorSpec(DTYPES_BY_NAME[dtype_name], tuple(shape))
-        total_bytes += spec.nbytes
-        if total_bytes > max_state_bytes:
-            raise CorruptStateError(f"the state exceeds max_state_bytes ({max_state_bytes})")
-        specs.append(spec)
-    return tuple(specs)
+    try:
+        return tuple(parse_tensor_list(rows, max_total_bytes=max_state_bytes))
+    except ProtocolError as e:
+        raise CorruptStateError(f"manifest tensors: {e}") from None
 
 
-def _parse_chunks(rows: Any, tensors: Sequence[TensorSpec]) -> tuple[ChunkSpec, ...]:
+def _parse_chunks(rows: Any, tensors: Sequence[TensorSpec]) -> tuple[ManifestChunk, ...]:
     """Chunks, checked to tile every tensor in order: each starts where the previous one of its
     tensor stopped, and the last one stops at the tensor's end."""
     if not isinstance(rows, list) or len(rows) > MAX_CHUNKS:
         raise CorruptStateError(f"chunks must be a list of at most {MAX_CHUNKS} entries")
-    chunks: list[ChunkSpec] = []
-    tensor, position = 0, 0  # the next chunk must cover element `position` of tensor `tensor`
+    chunks: list[ManifestChunk] = []
+    offsets = tensor_offsets(tensors)
+    tensor, position, piece = 0, 0, 0  # the next chunk must cover element `position` of tensor `tensor`
     for row in rows:
         if not isinstance(row, list) or len(row) != 5:
             raise CorruptStateError(f"a chunk entry must have 5 fields, got {row!r:.80}")
         while tensor < len(tensors) and position == tensors[tensor].numel:
-            tensor, position = tensor + 1, 0  # skip finished (and empty) tensors
+            tensor, position, piece = tensor + 1, 0, 0  # skip finished (and empty) tensors
         if tensor == len(tensors) or not (type(row[0]) is type(row[1]) is int and row[:2] == [tensor, position]):
             raise CorruptStateError(
                 f"chunks do not tile the tensors: got {row[:3]!r:.80}, expected [{tensor}, {position}, ...]"
             )
-        stop = _int_in(row[2], position + 1, tensors[tensor].numel, "chunk stop")
+        end = _int_in(row[2], position + 1, tensors[tensor].numel, "chunk end")
         nbytes = _int_in(row[3], 0, MAX_CHUNK_PAYLOAD_BYTES, "chunk size")
         digest = row[4]
         if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
             raise CorruptStateError("a chunk digest must be 32 bytes")
-        chunks.append(ChunkSpec(tensor, position, stop, nbytes, digest))
-        position = stop
+        chunks.append(ManifestChunk(tensor, position, end, piece, offsets[tensor] + position, nbytes, digest))
+        position, piece = end, piece + 1
     while tensor < len(tensors) and position == tensors[tensor].numel:
         tensor, position = tensor + 1, 0
     if tensor != len(tensors):
@@ -292,7 +257,7 @@ def chunk_response(index: int, tensor_header: Mapping[str, Any]) -> dict[str, An
 
 
 def check_chunk(
-    manifest: Manifest, donor_chunk: ChunkSpec, index: int, header: Mapping[str, Any], payload: Any
+    manifest: Manifest, donor_chunk: ManifestChunk, index: int, header: Mapping[str, Any], payload: Any
 ) -> CompressedTensor:
     """The compressed chunk a donor sent for ``index``, after checking it against that donor's manifest."""
     if header.get("chunk") != index:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import secrets
 import time
@@ -26,15 +27,14 @@ from typing import Any
 import torch
 
 from hivemind_ext.averaging.state_sharing.manifest import (
-    ChunkSpec,
     Manifest,
-    TensorSpec,
+    ManifestChunk,
     chunk_digest,
-    chunk_ranges,
     encode_manifest,
     manifest_digest,
     pack_metadata,
 )
+from hivemind_ext.averaging.tensor_layout import TensorSpec, chunk_tensors
 from hivemind_ext.compression import Codec, CompressedTensor, CompressionInfo, NoCompression
 from hivemind_ext.compression.base import NAMES_BY_DTYPE
 from hivemind_ext.errors import CompressionError, DeadlineExceededError, DonorBusyError, ProtocolError
@@ -80,17 +80,19 @@ class PreparedState:
 def prepare_state(state: StateTuple, version: int, codec: Codec, chunk_bytes: int) -> PreparedState:
     """Encodes a state into chunks and builds its manifest (blocking; runs in a worker thread)."""
     metadata, tensors, infos = _unpack_state(state)
-    specs, chunk_specs, chunks = [], [], []
+    specs = []
     for index, tensor in enumerate(tensors):
         if tensor.dtype not in NAMES_BY_DTYPE:
             raise ProtocolError(f"state tensor {index} has unsupported dtype {tensor.dtype}")
-        specs.append(TensorSpec(tensor.dtype, tuple(tensor.shape)))
+        specs.append(TensorSpec.of(tensor))
+    chunk_specs, chunks = [], []
+    for index, tensor_chunks in itertools.groupby(chunk_tensors(specs, chunk_bytes), key=lambda c: c.tensor):
+        tensor = tensors[index]
         info = infos[index] if infos is not None else CompressionInfo.from_tensor(tensor, key=index)
         flat = tensor.detach().reshape(-1)
-        ranges = chunk_ranges(flat.numel(), tensor.element_size(), chunk_bytes)
-        for part_index, (start, stop) in enumerate(ranges):
-            encoded = encode_chunk(codec, flat[start:stop], info.get_part(part_index, stop - start))
-            chunk_specs.append(ChunkSpec(index, start, stop, encoded.payload.numel(), chunk_digest(encoded)))
+        for chunk in tensor_chunks:
+            encoded = encode_chunk(codec, flat[chunk.start : chunk.end], info.get_part(chunk.piece, chunk.numel))
+            chunk_specs.append(ManifestChunk.of(chunk, encoded.payload.numel(), chunk_digest(encoded)))
             chunks.append(EncodedChunk(encoded.header(), encoded.payload))
     manifest = Manifest(version, secrets.token_hex(16), metadata, tuple(specs), tuple(chunk_specs))
     manifest_bytes = encode_manifest(manifest, pack_metadata(metadata))

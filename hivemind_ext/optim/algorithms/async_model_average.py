@@ -31,6 +31,7 @@ from hivemind.utils import get_dht_time
 
 from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.averaging.control import StepControl
+from hivemind_ext.averaging.delta import apply_delta, average_delta, take_snapshot
 from hivemind_ext.errors import ConfigurationError, HivemindExtError
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, NamedTensor
 
@@ -193,7 +194,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
 
     def _average_once(self, stop: threading.Event) -> None:
         with self._lock:  # the model as it will be once the pending update is applied
-            snapshot = [p.detach().float().clone() for p in self._params]
+            snapshot = take_snapshot(self._params)
             if self._pending is not None:
                 torch._foreach_add_(snapshot, self._pending)
         with self.averager.get_tensors() as buffers:
@@ -234,7 +235,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         if stop.is_set():
             return  # aborted while the round finished: do not touch the model any more
         with self.averager.get_tensors() as buffers:
-            deltas = [average - before for average, before in zip(buffers, snapshot, strict=True)]
+            deltas = average_delta(buffers, snapshot)
         with self._lock:
             # applied by the training thread at its next step(): writing the parameters from here could
             # change them between the user's forward and backward passes (autograd would refuse them)
@@ -249,8 +250,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
         if pending is None:
             return
         with torch.no_grad():
-            for param, delta in zip(self._params, pending, strict=True):
-                param.add_(delta.to(param.dtype))
+            apply_delta(self._params, pending)
             self._state.copy_to_model()
 
     # ----- shutting down
