@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 from hivemind.p2p import PeerID
-from swarm import local_swarm
+from swarm import local_swarm, wait_for
 
 import hivemind_ext
 from hivemind_ext.compression import MinMaxUInt8, NoCompression
@@ -92,6 +92,12 @@ def _run(models, opts, steps):
     assert not any(t.is_alive() for t in threads)
 
 
+def _caught_up(neighbour, model) -> bool:
+    """The neighbour's replica equals the model's parameters, within the tolerance the tests assert."""
+    actual = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return bool(torch.allclose(neighbour.replica, actual, rtol=0, atol=1e-6))
+
+
 def _eval_loss(model) -> float:
     x = torch.randn(512, 8, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -107,7 +113,16 @@ def test_replicas_equal_neighbours_models_and_peers_reach_consensus() -> None:
         try:
             initial_spread = max(float((m.weight - models[0].weight).detach().abs().max()) for m in models)
             _run(models, opts, steps=100)
-            time.sleep(1.0)  # let the last pushes arrive
+            model_of = {dht.peer_id.to_base58(): m for dht, m in zip(dhts, models, strict=True)}
+            wait_for(
+                lambda: all(
+                    _caught_up(neighbour, model_of[peer])
+                    for opt in opts
+                    for peer, neighbour in list(opt.algorithm_impl.neighbours.items())
+                ),
+                30,
+                message="the last pushes to arrive",
+            )
             impls = {o._runner.impl.peer_id: (o._runner.impl, m) for o, m in zip(opts, models, strict=True)}
             for impl, _ in impls.values():
                 assert len(impl.neighbours) == 2
@@ -173,7 +188,7 @@ def test_dead_neighbour_is_replaced_and_the_others_finish() -> None:
                 assert victim_id not in impl.neighbours and len(impl.neighbours) == 1
                 ((peer, neighbour),) = impl.neighbours.items()
                 other = next(m for o, m in zip(opts, models, strict=True) if o._runner.impl.peer_id == peer)
-                time.sleep(0.5)
+                wait_for(lambda n=neighbour, m=other: _caught_up(n, m), 10, message="the last differences to arrive")
                 actual = torch.cat([p.detach().reshape(-1) for p in other.parameters()])
                 torch.testing.assert_close(neighbour.replica, actual, rtol=0, atol=1e-6)
         finally:
@@ -187,9 +202,10 @@ def test_bad_pushes_are_refused_and_change_nothing() -> None:
         models, opts = _make_swarm(dhts, DecentralizedSGD(num_neighbours=1, maintenance_period=0.1), seeds=range(3))
         try:
             _run(models, opts, steps=5)
-            time.sleep(1.0)  # the last legitimate differences arrive
             target = opts[0]._runner.impl
             ((peer, neighbour),) = target.neighbours.items()
+            sender_model = next(m for d, m in zip(dhts, models, strict=True) if d.peer_id.to_base58() == peer)
+            wait_for(lambda: _caught_up(neighbour, sender_model), 10, message="the last legitimate differences")
             sender = next(o._runner.impl for o in opts if o._runner.impl.peer_id == peer)
             stranger = next(o._runner.impl for o in opts[1:] if o._runner.impl.peer_id != peer)
             before = neighbour.replica.clone()

@@ -12,7 +12,7 @@ import hivemind
 import pytest
 import torch
 from optim_swarm import signing_key
-from swarm import LOOPBACK, local_swarm
+from swarm import local_swarm, new_peer, wait_for
 
 from hivemind_ext import Optimizer
 from hivemind_ext.errors import ConfigurationError
@@ -106,16 +106,9 @@ def run_peers(worker: Callable[[int], None], count: int, timeout: float = 90.0) 
         raise errors[0]
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, message: str) -> None:
-    give_up = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < give_up, message
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def solo_dht():
-    dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    dht = new_peer()
     try:
         yield dht
     finally:
@@ -204,7 +197,7 @@ def test_async_abort_resume_and_prompt_shutdown():
             assert all(isinstance(impl, AsyncModelAverageImpl) for impl in impls)
             for opt in opts:  # the first step starts the communication thread
                 opt.step(batch_size=1)  # no gradients: the local step changes nothing
-            wait_for(lambda: all(impl.rounds >= 2 for impl in impls), 30, "no async rounds")
+            wait_for(lambda: all(impl.rounds >= 2 for impl in impls), 30, message="two async rounds")
             for opt in opts:  # the training thread applies the finished rounds at its next step
                 opt.step(batch_size=1)
             torch.testing.assert_close(params[0].detach(), params[1].detach())
@@ -217,17 +210,21 @@ def test_async_abort_resume_and_prompt_shutdown():
             counts = [impl.rounds for impl in impls]
             for opt in opts:  # local steps do not restart an aborted thread
                 opt.step(batch_size=1)
-            time.sleep(1.0)
+            time.sleep(1.0)  # a window in which no round may happen
             assert [impl.rounds for impl in impls] == counts
 
             for impl in impls:
                 impl.resume()
-            wait_for(lambda: all(i.rounds >= c + 2 for i, c in zip(impls, counts, strict=True)), 30, "no resume")
+            wait_for(
+                lambda: all(i.rounds >= c + 2 for i, c in zip(impls, counts, strict=True)),
+                30,
+                message="rounds after the resume",
+            )
 
             # peer 1 stops communicating: peer 0's next round can only wait for a group; shut it down mid-round
             impls[1].abort()
-            wait_for(lambda: impls[0].round_in_progress, 10, "peer 0 is not in a round")
-            time.sleep(MATCHMAKING_TIME + 0.2)
+            wait_for(lambda: impls[0].round_in_progress, 10, message="peer 0 in a round")
+            time.sleep(MATCHMAKING_TIME + 0.2)  # a window in which the round may not end
             assert impls[0].round_in_progress
             started = time.perf_counter()
             opts[0].shutdown()
@@ -304,7 +301,7 @@ def train_swarm(
                 # on a loaded machine the loop can outrun the thread: at most a third of the steps
                 # between two averaging rounds, so that asynchronous averaging is what is measured
                 wanted = 1 if step == STEPS // 3 else 2
-                wait_for(lambda: impl.rounds >= wanted, 30, "no async averaging round")  # noqa: B023
+                wait_for(lambda: impl.rounds >= wanted, 30, message="an async averaging round")  # noqa: B023
             train_step(models[index], opts[index], generator)
             time.sleep(0.01)
 
@@ -405,7 +402,9 @@ def test_dead_peer_does_not_stop_the_others(algorithm_name):
             started = time.perf_counter()
             run_peers(worker, 3, timeout=90)
             if algorithm_name == "async":  # give the survivors' thread time for rounds after the death
-                wait_for(lambda: all(rounds(i) > rounds_at_death[i] for i in (0, 1)), 30, "no rounds after death")
+                wait_for(
+                    lambda: all(rounds(i) > rounds_at_death[i] for i in (0, 1)), 30, message="rounds after the death"
+                )
             elapsed = time.perf_counter() - started
         finally:
             for opt in opts:
@@ -433,7 +432,7 @@ def test_diloco_late_joiner_loads_state_and_contributes_from_next_round():
         def worker(index: int) -> None:
             generator = torch.Generator().manual_seed(index + 1)
             if index == 3:
-                wait_for(lambda: all(o.algorithm_impl.round_index >= 2 for o in opts[:3]), 60, "no early rounds")
+                wait_for(lambda: all(o.algorithm_impl.round_index >= 2 for o in opts[:3]), 60, message="two rounds")
                 opts[3] = make_optimizer(dhts[3], models[3].parameters(), "late", algorithm, target_batch_size=target)
                 joined.set()
             opt = opts[index]

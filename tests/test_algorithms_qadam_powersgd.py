@@ -19,7 +19,7 @@ import hivemind
 import pytest
 import torch
 from optim_swarm import signing_key
-from swarm import LOOPBACK, local_swarm
+from swarm import addresses, local_swarm, new_peer
 
 import hivemind_ext
 from hivemind_ext.compression import ErrorFeedback, MinMaxUInt8, NoCompression, as_codec
@@ -523,8 +523,7 @@ def test_qadam_sends_about_a_quarter_of_the_bytes_after_warmup(swarm: list[hivem
 def test_a_peer_that_dies_mid_run_does_not_stop_the_others(swarm: list[hivemind.DHT], name: str) -> None:
     algorithm = QAdam(warmup_steps=2) if name == "qadam" else PowerSGD(rank=4)
     _keep_alive.append(algorithm)  # model keys count Algorithm objects by id: a reused id would split the run
-    initial_peers = [str(maddr) for maddr in swarm[0].get_visible_maddrs()]
-    victim_dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=initial_peers)
+    victim_dht = new_peer(addresses(swarm[0]))
     run_id = f"dies_{name}"
     peers = [make_peer(i, dht, run_id, algorithm) for i, dht in enumerate(swarm[:3])]
     peers.append(make_peer(3, victim_dht, run_id, algorithm))

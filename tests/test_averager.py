@@ -12,7 +12,7 @@ import hivemind
 import hivemind.compression
 import pytest
 import torch
-from swarm import local_swarm
+from swarm import local_swarm, wait_for
 
 from hivemind_ext.averaging import AveragingStage, DecentralizedAverager
 from hivemind_ext.compression import Float16Compression
@@ -187,13 +187,12 @@ def test_trigger_holds_the_allreduce_and_cancel_stops_a_step(swarm: list[hivemin
     group = averagers(swarm[:2], fresh_prefix(), compression=Float16Compression())
     try:
         controls = [a.step(wait=False, require_trigger=True, timeout=30) for a in group]
-        deadline = time.monotonic() + 15
-        while not all(c.stage == AveragingStage.AWAITING_TRIGGER for c in controls):
-            assert time.monotonic() < deadline, [c.stage for c in controls]
-            time.sleep(0.02)
+        wait_for(
+            lambda: all(c.stage == AveragingStage.AWAITING_TRIGGER for c in controls), 15, message="both at the trigger"
+        )
         with group[0].get_tensors() as tensors:
             before = tensors[0].clone()
-        time.sleep(0.3)
+        time.sleep(0.3)  # a window in which nothing may finish
         assert not any(c.done() for c in controls)
         with group[0].get_tensors() as tensors:
             torch.testing.assert_close(tensors[0], before)  # nothing averaged before the trigger
@@ -202,7 +201,7 @@ def test_trigger_holds_the_allreduce_and_cancel_stops_a_step(swarm: list[hivemin
         assert all(len(c.result(timeout=30)) == 2 for c in controls)
 
         lonely = group[0].step(wait=False, timeout=30)  # nobody else is looking: it would wait 30 s
-        time.sleep(0.3)
+        wait_for(lambda: lonely.stage == AveragingStage.LOOKING_FOR_GROUP, 10, message="the lonely step to look")
         assert lonely.cancel() and lonely.cancelled()
         assert len(step_all(group)[0]) == 2  # the averager still works after a cancelled step
     finally:
@@ -226,14 +225,14 @@ def test_newcomer_downloads_the_state_with_the_highest_priority(swarm: list[hive
     try:
         old.state_sharing_priority, new.state_sharing_priority = 1, 5
         newcomer.allow_state_sharing = False
-        deadline = time.monotonic() + 20
-        while True:
+
+        def newest_state() -> tuple | None:
             loaded = newcomer.load_state_from_peers(timeout=10)
             with new.get_tensors() as tensors:
-                if loaded is not None and torch.equal(loaded[1][0], tensors[0]):
-                    break
-            assert time.monotonic() < deadline, "the newest donor's state never arrived"
-            time.sleep(0.5)  # donors may not have advertised their new priority yet
+                return loaded if loaded is not None and torch.equal(loaded[1][0], tensors[0]) else None
+
+        # donors may not have advertised their new priority yet
+        loaded = wait_for(newest_state, 20, interval=0.5, message="the newest donor's state")
         metadata, tensors = loaded
         assert metadata == {"prefix": prefix}
         for got, want in zip(tensors, make_tensors(1), strict=True):

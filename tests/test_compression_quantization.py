@@ -350,7 +350,7 @@ def test_uniform_inner_codebook_is_an_exact_grid(dtype: torch.dtype) -> None:
             assert float(codebook[outer]) == pytest.approx(float(x.double()[codes == outer].mean()), rel=1e-6)
         # the decoder sees the grid: only the outer codes are looked up
         raw = message.payload[: 256 * stats_itemsize(dtype)].view(stats_dtype(dtype))
-        assert Uniform8BitQuantization._affine_grid(raw) == (step, float(codebook[0 + 128]) - 128 * step, 0, 255)
+        assert Uniform8BitQuantization.affine_grid(raw) == (step, float(codebook[0 + 128]) - 128 * step, 0, 255)
 
 
 def assert_uniform_decodes_to_entries(codebook: torch.Tensor, codes: torch.Tensor) -> None:

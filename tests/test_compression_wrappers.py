@@ -385,10 +385,24 @@ def test_error_feedback_on_half_tensors_near_their_maximum_stays_finite(dtype: t
     info = CompressionInfo(key="h")
     ef.compress(torch.tensor([top, -top, 1 / 3], dtype=dtype), info)
     residual = torch.tensor([top / 1000, -top / 1000, 0.0])  # x + residual is beyond the half dtype's range
-    ef._slots[("h", 0)].residual = residual  # as after a lossy step
+    ef.set_residual("h", residual, dtype=dtype)  # as after a lossy step
     decoded = decompress(ef.compress(torch.tensor([top, -top, top], dtype=dtype), info))
     assert decoded.tolist() == [top, -top, top]  # clamped, not Inf
     assert torch.allclose(ef.residual("h"), residual, rtol=1e-3)
+
+
+def test_error_feedback_set_residual_is_used_by_the_next_step_and_checks_the_dtype() -> None:
+    ef = ErrorFeedback(NoCompression())
+    residual = torch.tensor([0.5, -0.25])
+    ef.set_residual("w", residual, dtype=torch.float32, part_index=1)
+    residual += 1  # set_residual keeps a copy
+    assert ef.residual("w", part_index=1).tolist() == [0.5, -0.25] and ef.residual("w") is None
+    info = CompressionInfo(key="w", part_index=1)
+    assert decompress(ef.compress(torch.ones(2), info)).tolist() == [1.5, 0.75]
+    with pytest.raises(ConfigurationError):
+        ef.set_residual("w", torch.zeros(2), dtype=torch.float64)  # float64 tensors keep float64 residuals
+    with pytest.raises(ConfigurationError):
+        ef.set_residual("w", torch.zeros(2), dtype=torch.int64)
 
 
 def test_error_feedback_keeps_the_residual_when_the_inner_codec_raises() -> None:

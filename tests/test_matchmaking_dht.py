@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import hivemind
 import pytest
 from hivemind.utils import get_dht_time
-from swarm import LOOPBACK, local_swarm
+from swarm import addresses, local_swarm, new_peer
 
 from hivemind_ext.averaging.matchmaking.board import board_key, parse_board
 from hivemind_ext.averaging.matchmaking.group import GroupInfo, MatchmakingConfig
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.slow
 
 SWARM_SIZE = 8
 AUXILIARY, CLIENT = 6, 7  # roles of two peers of the swarm
-
-
-def start_dht(initial_peers: Sequence[str] = (), **kwargs) -> hivemind.DHT:
-    return hivemind.DHT(
-        start=True, await_ready=False, host_maddrs=LOOPBACK, initial_peers=list(initial_peers), **kwargs
-    )
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +210,7 @@ async def _has_declarations(dht: hivemind.DHT, name: str, count: int) -> bool:
 @pytest.mark.timeout(60)
 def test_a_peer_that_dies_after_declaring_does_not_hang_the_others(swarm) -> None:
     name = prefix()
-    initial_peers = [str(maddr) for maddr in swarm[0].get_visible_maddrs()]
-    victim_dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=initial_peers)
+    victim_dht = new_peer(addresses(swarm[0]))
     try:
         victim = Matchmaker(MatchmakingConfig(prefix=name, target_group_size=4, request_timeout=1.0), dht=victim_dht)
         survivors = [matchmaker(swarm, i, name, min_matchmaking_time=1.0) for i in range(3)]

@@ -23,12 +23,12 @@ from typing import Any
 import hivemind
 import pytest
 import torch
+from swarm import local_swarm, new_peer, wait_for
 
 import hivemind_ext
 from hivemind_ext.compression import NoCompression
 from hivemind_ext.errors import ConfigurationError, NonFiniteTensorError
 
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FAST_TRACKER = {"min_refresh_period": 0.05, "max_refresh_period": 0.5, "default_refresh_period": 0.2}
 
 # keyword arguments whose default differs from hivemind.Optimizer's, and why that is equivalent
@@ -43,7 +43,7 @@ KNOWN_DEFAULT_DIFFERENCES = {
 
 @pytest.fixture(scope="module")
 def dht() -> Iterator[hivemind.DHT]:
-    dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    dht = new_peer()
     yield dht
     dht.shutdown()
 
@@ -617,7 +617,6 @@ def test_overflowed_epoch_contributes_weight_zero_to_the_group() -> None:
     """Peer 0's scaled gradient sum overflows; the group's average must then be peer 1's gradient alone,
     and both peers step on it (reuse_grad_buffers: every micro-step of the epoch sees the same parameters)."""
     from hivemind.utils.crypto import RSAPrivateKey
-    from swarm import local_swarm
 
     run_id = f"overflow_{uuid.uuid4().hex[:10]}"
     reference = make_model()
@@ -641,10 +640,12 @@ def test_overflowed_epoch_contributes_weight_zero_to_the_group() -> None:
                         tracker_opts={**FAST_TRACKER, "private_key": RSAPrivateKey()},
                     )
                 )
-            give_up = time.monotonic() + 20
-            while any(opt.tracker.fetch_now().num_peers < 2 for opt in opts):
-                assert time.monotonic() < give_up, "the peers do not see each other's progress"
-                time.sleep(0.1)
+            wait_for(
+                lambda: all(opt.tracker.fetch_now().num_peers >= 2 for opt in opts),
+                20,
+                interval=0.1,
+                message="the peers to see each other's progress",
+            )
             steps_taken = [0, 0]
             errors: list[BaseException] = []
 

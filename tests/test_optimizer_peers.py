@@ -29,7 +29,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
-from swarm import LOOPBACK, local_swarm
+from swarm import addresses, local_swarm, new_peer, wait_for
 
 import hivemind_ext
 from hivemind_ext.averaging.control import AveragingStage
@@ -156,13 +156,6 @@ def make_trainers(
     return trainers
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    give_up = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < give_up, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @contextlib.contextmanager
 def shutting_down(optimizers: list[hivemind_ext.Optimizer]) -> Iterator[list[hivemind_ext.Optimizer]]:
     try:
@@ -196,7 +189,9 @@ def test_late_joiner_downloads_the_state_spread_over_donors_and_trains_in_line(
         newcomer = make_optimizer(dhts[2], newcomer_model, "late")
         optimizers.append(newcomer)
         assert newcomer.local_epoch == 0
-        wait_for(lambda: newcomer.tracker.global_progress.epoch == swarm_epoch, 10, "the newcomer to see the swarm")
+        wait_for(
+            lambda: newcomer.tracker.global_progress.epoch == swarm_epoch, 10, message="the newcomer to see the swarm"
+        )
         newcomer_trainer = Trainer(newcomer, newcomer_model, seed=2)
         newcomer_trainer.step_once(torch.Generator().manual_seed(2))
         # the first step() downloaded the state (and discarded its batch): the donors stood still meanwhile
@@ -235,7 +230,7 @@ def test_a_peer_ahead_of_every_donor_keeps_its_state(caplog: pytest.LogCaptureFi
         wait_for(
             lambda: ahead.load_state_from_peers() is None and "behind this peer's 3" in caplog.text,
             15,
-            "the lagging donor's state to be offered and refused",
+            message="the lagging donor's state to be offered and refused",
         )
         assert ahead.local_epoch == 3 and same_params(params_of(ahead_model), params, atol=0)
         behind.load_state_from_peers()  # the other way round, the newer state is taken
@@ -278,13 +273,19 @@ def test_busy_donors_never_make_a_newcomer_time_out() -> None:
         busy, free = trainers
         # the busy donor is in the middle of a state averaging round (that nobody else joins) and holds
         # its state lock for much longer than the newcomer is willing to wait
-        wait_for(lambda: not any(t.opt.state_averager.round_in_progress for t in trainers), 15, "the last state round")
+        wait_for(
+            lambda: not any(t.opt.state_averager.round_in_progress for t in trainers),
+            15,
+            message="the last state round",
+        )
         busy.opt.state_averager.begin_round(timeout=60.0)
         with held(busy.opt._state_lock, 60.0):
             newcomer_model = make_model(seed=7)
             newcomer = make_optimizer(dhts[2], newcomer_model, "busy", load_state_timeout=60.0)
             optimizers.append(newcomer)
-            wait_for(lambda: newcomer.tracker.global_progress.epoch == epoch, 10, "the newcomer to see the swarm")
+            wait_for(
+                lambda: newcomer.tracker.global_progress.epoch == epoch, 10, message="the newcomer to see the swarm"
+            )
             started = time.monotonic()
             newcomer.load_state_from_peers()
             elapsed = time.monotonic() - started
@@ -301,7 +302,9 @@ def test_busy_donors_never_make_a_newcomer_time_out() -> None:
                 late = make_optimizer(dhts[3], late_model, "busy", load_state_timeout=60.0)
                 optimizers.append(late)
                 wait_for(
-                    lambda: late.tracker.global_progress.epoch == epoch, 10, "the second newcomer to see the swarm"
+                    lambda: late.tracker.global_progress.epoch == epoch,
+                    10,
+                    message="the second newcomer to see the swarm",
                 )
                 started = time.monotonic()
                 late.load_state_from_peers()
@@ -328,7 +331,7 @@ def process_peer(index: int, initial_peers: list[str], run_id: str, until_epoch:
         logging.getLogger("hivemind_ext").addHandler(log)
         logging.getLogger("hivemind_ext").setLevel(logging.DEBUG)
         torch.set_num_threads(1)
-        dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=LOOPBACK, start=True)
+        dht = new_peer(initial_peers)
         model = make_model(seed=0)
         opt = make_optimizer(dht, model, run_id, load_state_timeout=10.0)
         trainer = Trainer(opt, model, seed=index)
@@ -353,7 +356,7 @@ def dump_stacks(run_id: str, indices: Sequence[int], processes: Sequence[Any]) -
     for index in indices:
         with contextlib.suppress(ProcessLookupError):
             os.kill(processes[index].pid, signal.SIGUSR1)
-    time.sleep(1.0)
+    time.sleep(1.0)  # time to write the stacks; best effort: this builds a failure message and must not fail itself
     texts = []
     for index in indices:
         for suffix, tail in (("", 6000), (".log", 8000)):
@@ -365,11 +368,11 @@ def dump_stacks(run_id: str, indices: Sequence[int], processes: Sequence[Any]) -
 @pytest.mark.timeout(120)
 def test_a_killed_peer_never_blocks_the_others() -> None:
     context = multiprocessing.get_context("spawn")
-    bootstrap = hivemind.DHT(host_maddrs=LOOPBACK, start=True)
+    bootstrap = new_peer()
     processes, readers = [], {}
     until_epoch, kill_at_epoch, victim = 5, 2, 2
     try:
-        initial_peers = [str(maddr) for maddr in bootstrap.get_visible_maddrs()]
+        initial_peers = addresses(bootstrap)
         for index in range(3):
             reader, writer = context.Pipe(duplex=False)
             process = context.Process(target=process_peer, args=(index, initial_peers, "killed", until_epoch, writer))
@@ -445,7 +448,9 @@ def test_a_peer_that_stops_stepping_in_a_scheduled_group_never_blocks_the_others
             staller.opt.zero_grad()
             time.sleep(0.02)
         held = staller.opt._scheduled_grads
-        wait_for(lambda: held.stage == AveragingStage.AWAITING_TRIGGER or held.done(), 10, "the staller's group")
+        wait_for(
+            lambda: held.stage == AveragingStage.AWAITING_TRIGGER or held.done(), 10, message="the staller's group"
+        )
         assert held.stage == AveragingStage.AWAITING_TRIGGER, "the staller was not holding a group"
         others.join(90)
         for trainer in trainers[:2]:
@@ -638,7 +643,7 @@ def test_auxiliary_peers_help_average_and_contribute_nothing() -> None:
             wait_for(
                 lambda: min(t.opt.local_epoch for t in trainers) >= until_epoch and (until is None or until(seen)),
                 60,
-                f"epoch {until_epoch}",
+                message=f"epoch {until_epoch}",
             )
             stop.set()
             for thread in threads:
@@ -665,7 +670,7 @@ def test_auxiliary_peers_help_average_and_contribute_nothing() -> None:
 
         # the same with the command-line auxiliary peer, in its own process
         aux.shutdown()
-        initial_peers = [str(maddr) for maddr in dhts[0].get_visible_maddrs()]
+        initial_peers = addresses(dhts[0])
         command = [
             sys.executable, "-m", "hivemind_ext.cli", "aux", "--initial-peers", *initial_peers,
             "--run-id", "aux", "--target-batch-size", str(TARGET_BATCH_SIZE),

@@ -26,7 +26,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from swarm import USE_UVLOOP
+from swarm import USE_UVLOOP, new_peer
 
 from hivemind_ext.compression import CompressedTensor, Float16Compression, decompress
 from hivemind_ext.errors import (
@@ -714,9 +714,7 @@ async def test_calls_beyond_the_concurrency_limit_are_refused_at_once() -> None:
 @pytest.mark.timeout(60)
 @async_test
 async def test_server_on_a_dht_replica_of_the_daemon() -> None:
-    import hivemind
-
-    dht = hivemind.DHT(host_maddrs=LOOPBACK, start=True)
+    dht = new_peer()
     try:
         server_p2p = await dht.replicate_p2p()
         client_p2p = await P2P.create(host_maddrs=LOOPBACK, initial_peers=dht.get_visible_maddrs())

@@ -26,7 +26,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
-from swarm import LOOPBACK, local_swarm
+from swarm import local_swarm, new_peer, wait_for
 
 from hivemind_ext.errors import ClosedError, ConfigurationError, DeadlineExceededError, PeerUnreachableError
 from hivemind_ext.optim.progress import (
@@ -271,13 +271,6 @@ def new_prefix() -> str:
     return f"test_{secrets.token_hex(4)}"
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    give_up = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < give_up, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def seen(tracker: ProgressTracker) -> tuple[int, int, int]:
     progress = tracker.global_progress
     return progress.epoch, progress.samples_accumulated, progress.num_peers
@@ -294,10 +287,12 @@ def test_three_peers_agree_on_the_sum_become_ready_and_move_to_the_next_epoch(tr
     for tracker in peers:
         tracker.report_local_progress(0, 30)  # 20 samples in 0.1 s: every peer now has a measured speed
     for tracker in peers:
-        wait_for(lambda tracker=tracker: seen(tracker) == (0, 90, 3), what="every peer sees 90 samples from 3 peers")
+        wait_for(
+            lambda tracker=tracker: seen(tracker) == (0, 90, 3), 10.0, message="every peer sees 90 samples from 3 peers"
+        )
         assert tracker.global_progress.num_clients == 1
     for tracker in peers:  # the extrapolation of everyone's speed soon passes the target of 100 ...
-        wait_for(lambda tracker=tracker: tracker.global_progress.eta_next_epoch <= get_dht_time(), what="ETA")
+        wait_for(lambda tracker=tracker: tracker.global_progress.eta_next_epoch <= get_dht_time(), 10.0, message="ETA")
     for tracker in peers:
         assert not tracker.ready_to_update_epoch  # ... yet only 90 samples were reported: not ready
         assert tracker.estimated_next_update_time == tracker.global_progress.eta_next_epoch
@@ -305,14 +300,16 @@ def test_three_peers_agree_on_the_sum_become_ready_and_move_to_the_next_epoch(tr
     peers[0].report_local_progress(0, 45)
     assert peers[0].global_progress.samples_accumulated == 105  # counted locally at once
     for tracker in peers:
-        wait_for(lambda tracker=tracker: tracker.ready_to_update_epoch, what="every peer ready with 105 samples")
+        wait_for(
+            lambda tracker=tracker: tracker.ready_to_update_epoch, 10.0, message="every peer ready with 105 samples"
+        )
         assert tracker.estimated_next_update_time <= get_dht_time()
 
     assert peers[0].update_epoch(1) == 1
     assert peers[0].local_progress.epoch == 1 and peers[0].local_progress.samples_accumulated == 0
     assert seen(peers[0])[:2] == (1, 0) and not peers[0].ready_to_update_epoch
     for tracker in peers[1:]:
-        wait_for(lambda tracker=tracker: tracker.global_progress.epoch == 1, what="the others see epoch 1")
+        wait_for(lambda tracker=tracker: tracker.global_progress.epoch == 1, 10.0, message="the others see epoch 1")
         assert tracker.global_progress.samples_accumulated == 0  # their own 30 samples belong to epoch 0
         assert tracker.ready_to_update_epoch  # the swarm moved on: they are behind
     assert peers[0].update_epoch(0) == 1  # never back
@@ -345,7 +342,7 @@ def test_forged_unsigned_and_malformed_records_are_not_counted(swarm, trackers) 
     honest[0].report_local_progress(0, 11)
     honest[1].report_local_progress(0, 13)
     for tracker in honest:
-        wait_for(lambda tracker=tracker: seen(tracker) == (0, 24, 2), what="the honest peers see each other")
+        wait_for(lambda tracker=tracker: seen(tracker) == (0, 24, 2), 10.0, message="the honest peers see each other")
 
     forger = swarm[FORGER]
     forger_id = forger.peer_id.to_base58()
@@ -368,7 +365,9 @@ def test_forged_unsigned_and_malformed_records_are_not_counted(swarm, trackers) 
     # raises on a malformed owner key, which fails the store call.)
     store(RSASignatureValidator(forger_keys[-1]).local_public_key, [forger_id, 0, 7, 0.0, get_dht_time(), False])
     for tracker in honest:
-        wait_for(lambda tracker=tracker: seen(tracker) == (0, 31, 3), what="the forger's honest record arrives")
+        wait_for(
+            lambda tracker=tracker: seen(tracker) == (0, 31, 3), 10.0, message="the forger's honest record arrives"
+        )
 
     for key, value in zip(forger_keys[:-1], malformed, strict=True):
         store(RSASignatureValidator(key).local_public_key, value)  # validly signed, malformed content
@@ -392,7 +391,7 @@ def test_pause_updates_holds_publishing_and_the_global_view(trackers) -> None:
     first.report_local_progress(0, 5)
     second.report_local_progress(0, 5)
     for tracker in (first, second):
-        wait_for(lambda tracker=tracker: seen(tracker) == (0, 10, 2), what="both see 10 samples")
+        wait_for(lambda tracker=tracker: seen(tracker) == (0, 10, 2), 10.0, message="both see 10 samples")
 
     with first.pause_updates():
         first.report_local_progress(0, 50)
@@ -402,7 +401,9 @@ def test_pause_updates_holds_publishing_and_the_global_view(trackers) -> None:
         assert seen(first) == (0, 55, 2)  # did not take in the second's 20
         assert seen(second) == (0, 25, 2)  # never heard of the first's 50
     for tracker in (first, second):
-        wait_for(lambda tracker=tracker: seen(tracker) == (0, 70, 2), what="both see 70 samples after the pause")
+        wait_for(
+            lambda tracker=tracker: seen(tracker) == (0, 70, 2), 10.0, message="both see 70 samples after the pause"
+        )
 
 
 @pytest.mark.timeout(60)
@@ -437,7 +438,7 @@ def test_shutdown_is_prompt_idempotent_and_withdraws_the_record(trackers) -> Non
     peers = [trackers(index, prefix) for index in range(3)]
     for tracker in peers:
         tracker.report_local_progress(0, 1)
-    wait_for(lambda: seen(peers[1])[2] == 3, what="3 peers")
+    wait_for(lambda: seen(peers[1])[2] == 3, 10.0, message="3 peers")
     started = time.monotonic()
     peers[0].shutdown()
     assert time.monotonic() - started < 3.0
@@ -448,7 +449,7 @@ def test_shutdown_is_prompt_idempotent_and_withdraws_the_record(trackers) -> Non
     with pytest.raises(ClosedError):
         peers[0].fetch_now()
     # gone long before its record would have expired (metadata_expiration=30)
-    wait_for(lambda: seen(peers[1])[2] == 2, timeout=5.0, what="the others stop counting it")
+    wait_for(lambda: seen(peers[1])[2] == 2, timeout=5.0, message="the others stop counting it")
     assert peers[1].fetch_now(timeout=5.0).num_peers == 2
     rejoined = trackers(0, prefix)  # a new tracker knows the swarm as soon as it is constructed
     assert seen(rejoined) == (0, 2, 3)
@@ -492,7 +493,7 @@ def test_a_hung_dht_delays_nothing(swarm) -> None:
             tracker.fetch_now(timeout=0.3)
         assert time.monotonic() - started < 2.0
         assert tracker.update_epoch(1) == 1 and tracker.global_progress.epoch == 1
-        time.sleep(0.3)
+        time.sleep(0.3)  # a window in which the tracker must not die
         assert tracker.is_alive()
     finally:
         started = time.monotonic()
@@ -503,7 +504,7 @@ def test_a_hung_dht_delays_nothing(swarm) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_dead_dht_delays_nothing(caplog: pytest.LogCaptureFixture) -> None:
-    dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    dht = new_peer()
     tracker = ProgressTracker(dht, new_prefix(), 100, private_key=RSAPrivateKey(), start=True, **FAST)
     tracker.report_local_progress(0, 3)
     dht.shutdown()
@@ -513,7 +514,7 @@ def test_a_dead_dht_delays_nothing(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises((PeerUnreachableError, DeadlineExceededError)):
         tracker.fetch_now(timeout=1.0)
     with caplog.at_level(logging.ERROR, logger="hivemind_ext.optim.progress"):
-        time.sleep(0.5)
+        time.sleep(0.5)  # a window in which the tracker must neither die nor log an error
         assert tracker.is_alive()
         tracker.shutdown()
         tracker.shutdown()

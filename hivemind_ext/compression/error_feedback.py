@@ -129,6 +129,26 @@ class ErrorFeedback(CodecWrapper):
         with slot.lock:
             return slot.residual
 
+    def set_residual(self, key: Key, residual: torch.Tensor, *, dtype: torch.dtype, part_index: int = 0) -> None:
+        """Sets the residual of a tensor key (and part), e.g. to restore one read with :meth:`residual`.
+
+        ``dtype`` is the dtype of the tensors the residual belongs to; the residual itself must be in
+        ``promote_types(dtype, float32)`` and lie on their device, with their shape: otherwise the next
+        compression of that key drops it with a warning. The residual is copied.
+        """
+        if not dtype.is_floating_point:
+            raise ConfigurationError(
+                f"ErrorFeedback.set_residual: {dtype} tensors have no residual (they pass through)"
+            )
+        work_dtype = torch.promote_types(dtype, torch.float32)
+        if residual.dtype != work_dtype:
+            raise ConfigurationError(
+                f"ErrorFeedback.set_residual: a residual of {dtype} tensors must be {work_dtype}, got {residual.dtype}"
+            )
+        slot = self._slot(_slot_key(CompressionInfo(key=key, part_index=part_index)))
+        with slot.lock:
+            slot.residual, slot.dtype = residual.detach().clone(), dtype
+
     def reset(self, key: Key = None) -> None:
         """Drops the residuals of ``key`` (all its parts), or of every key if ``key`` is None.
 

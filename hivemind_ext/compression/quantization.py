@@ -398,9 +398,9 @@ class Uniform8BitQuantization(_CodebookQuantization):
     @classmethod
     def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
         """On CPU, codes whose codebook entries lie on an affine grid are decoded arithmetically (see
-        :meth:`_affine_grid`), the others looked up; on other devices, every code is looked up."""
+        :meth:`affine_grid`), the others looked up; on other devices, every code is looked up."""
         codebook, codes = cls._codebook(payload, dtype), payload[cls._codebook_nbytes(dtype) :]
-        grid = cls._affine_grid(codebook) if payload.device.type == "cpu" else None
+        grid = cls.affine_grid(codebook) if payload.device.type == "cpu" else None
         if grid is None:
             return lookup(codebook.to(dtype), codes)
         step, offset, first, last = grid
@@ -413,13 +413,16 @@ class Uniform8BitQuantization(_CodebookQuantization):
         return decode_in_tiles(numel, dtype, codebook.dtype, cls.BLOCK_SIZE, payload.device, decode_tile)
 
     @staticmethod
-    def _affine_grid(codebook: torch.Tensor) -> tuple[float, float, int, int] | None:
+    def affine_grid(codebook: torch.Tensor) -> tuple[float, float, int, int] | None:
         """(step, offset, first, last) such that codebook[k] is exactly k * step + offset, computed as
         two rounded float operations of the codebook's dtype, for first < k < last; None if that holds
         for fewer than half of the codes. Each operation rounds the same on every path of every kernel,
         so a tensor of codes decodes, with the same two operations, to exactly the codebook's entries.
 
         step and offset are read off entries 128 and 129: exact for the grids that the encoder writes.
+        Public so that callers can see how a codebook (the first 256 entries of a payload, in its
+        statistics dtype) will be decoded on CPU: by arithmetic for the codes strictly between first
+        and last, by lookup for the others (all codes if None).
         """
         step_offset = torch.stack([codebook[129] - codebook[128], codebook[128]])
         step_offset[1] -= step_offset[0] * (CODEBOOK_SIZE // 2)
