@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import threading
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -292,17 +293,20 @@ class DecentralizedAverager:
     async def _stop_services(self, tasks: TaskOwner | None) -> None:
         """Stops what this averager started on the shared runtime (the runtime itself stops at its
         last release): its steps and downloads in flight, then its services and handlers."""
-        for stop in (
-            tasks and tasks.aclose(timeout=self.shutdown_timeout),
-            self._donor and self._donor.shutdown(timeout=self.shutdown_timeout),
-            self._service and self._service.shutdown(),
-            self._server and self._server.shutdown(timeout=self.shutdown_timeout),
-        ):
-            if stop is not None:
-                try:
-                    await stop
-                except (HivemindExtError, OSError) as e:  # OSError: the daemon is gone already
-                    logger.debug(f"error while shutting the averager down: {e!r}")
+        stops: list[Callable[[], Awaitable[None]]] = []
+        if tasks is not None:  # (not `tasks and ...`: an owner with no task is falsy)
+            stops.append(lambda: tasks.aclose(timeout=self.shutdown_timeout))
+        if self._donor is not None:
+            stops.append(functools.partial(self._donor.shutdown, timeout=self.shutdown_timeout))
+        if self._service is not None:
+            stops.append(self._service.shutdown)
+        if self._server is not None:
+            stops.append(functools.partial(self._server.shutdown, timeout=self.shutdown_timeout))
+        for stop in stops:
+            try:
+                await stop()
+            except (HivemindExtError, OSError) as e:  # OSError: the daemon is gone already
+                logger.debug(f"error while shutting the averager down: {e!r}")
 
     def shutdown(self) -> None:
         """Stops background work and releases the peer runtime; pending steps fail with an error.
