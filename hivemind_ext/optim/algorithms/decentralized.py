@@ -155,6 +155,11 @@ class DecentralizedSGDImpl(AlgorithmImpl):
         )
         self.registry.register(force=True)
 
+    @property
+    def runtime(self) -> PeerRuntime:
+        """The peer runtime this algorithm serves and calls on (shared with the peer's other components)."""
+        return self._runtime
+
     # ----- the Algorithm API
 
     def tensors_to_buckets(self, tensors: Any) -> list:
