@@ -1,7 +1,8 @@
 """A background thread that owns an asyncio event loop (uvloop where available).
 
 Averagers and optimizers are called from the user's training thread, which has no event loop of
-its own; their networking runs on one of these. ``submit`` hands a coroutine over and returns a
+its own; their networking runs on one of these, one per peer, owned by the peer's
+:class:`~hivemind_ext.p2p.runtime.PeerRuntime`. ``submit`` hands a coroutine over and returns a
 ``concurrent.futures.Future``; ``stop`` cancels every task still on the loop, waits for them, and
 joins the thread, so nothing outlives its owner.
 """

@@ -213,7 +213,7 @@ def test_bad_pushes_are_refused_and_change_nothing() -> None:
             numel = target.numel
 
             def push(impl, message):
-                return impl._loop.run(
+                return impl.runtime.run(
                     impl._client.call(PeerID.from_base58(target.peer_id), "push", message, timeout=3), timeout=5
                 )
 

@@ -103,8 +103,8 @@ def test_direct_data_path_mixed_with_libp2p_peers_reaches_the_mean(swarm: list[h
                     torch.testing.assert_close(tensors[index], sum(expected) / 3, rtol=1e-5, atol=1e-6)
             assert all(averager.last_round.excluded == {} for averager in group)
         connector = group[0]._service.rpc_client.direct  # white-box: which transport each peer got
-        assert connector is not None and not connector.is_failing(group[1]._p2p.peer_id)
-        assert connector.is_failing(group[2]._p2p.peer_id)  # fell back to libp2p
+        assert connector is not None and not connector.is_failing(group[1].runtime.p2p.peer_id)
+        assert connector.is_failing(group[2].runtime.p2p.peer_id)  # fell back to libp2p
         with pytest.raises(ConfigurationError):
             DecentralizedAverager(make_tensors(0), swarm[0], prefix="x", direct_data_path="localhost", start=False)
     finally:

@@ -3,7 +3,9 @@
 A drop-in for ``hivemind.averaging.DecentralizedAverager``: the same constructor keywords and the
 methods a user calls (``step``, ``get_tensors``, ``get_current_state``, ``load_state_from_peers``,
 ``shutdown``, use as a context manager). Inside, it runs on a background thread's event loop
-(hivemind uses a separate process) and shares the DHT's libp2p daemon; each step is matchmaking
+(hivemind uses a separate process): the peer's :class:`~hivemind_ext.p2p.runtime.PeerRuntime`,
+shared with the peer's other averagers and its progress tracker, with one replica of the DHT's
+libp2p daemon and one RPC server, on which it serves its handlers under ``averager.<prefix>``. Each step is matchmaking
 (:mod:`.matchmaking`), then one butterfly all-reduce round (:mod:`.allreduce`) whose result is
 applied to the tensors as ``tensor += alpha * (average - tensor_at_round_start)``, so updates the
 user made to the tensors during the round are kept.
@@ -13,16 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from hivemind import DHT
-from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from hivemind_ext.averaging.allreduce.service import (
@@ -39,17 +41,22 @@ from hivemind_ext.compression import Codec, CompressionInfo, NoCompression
 from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import (
     AllreduceError,
+    ClosedError,
     ConfigurationError,
     DeadlineExceededError,
     HivemindExtError,
     MatchmakingError,
     StateLoadError,
 )
-from hivemind_ext.p2p import DirectConfig, RPCClient, RPCServer
-from hivemind_ext.runtime import LoopThread
+from hivemind_ext.p2p.client import RPCClient
+from hivemind_ext.p2p.direct_server import DirectConfig
+from hivemind_ext.p2p.runtime import PeerRuntime
+from hivemind_ext.p2p.server import RPCServer
+from hivemind_ext.p2p.tasks import TaskOwner
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 NO_DEADLINE = 365 * 24 * 3600.0  # "no timeout": a step still gives up eventually
 
 
@@ -186,11 +193,11 @@ class DecentralizedAverager:
         self._averaged_tensors = tensors
         self._scratch: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _round_buffers
         self._lock = threading.RLock()  # held while tensors are read or written by either side
-        self._loop: LoopThread | None = None
+        self._runtime: PeerRuntime | None = None
+        self._tasks: TaskOwner | None = None  # steps and downloads in flight, cancelled at shutdown
         self._matchmaker: Matchmaker | None = None
         self._service: AllreduceService | None = None
-        self._server: RPCServer | None = None
-        self._p2p: P2P | None = None
+        self._server: RPCServer | None = None  # this averager's scope of the runtime's RPC server
         self._awaiting_trigger: dict[bytes, StepControl] = {}  # group id -> step waiting for its trigger
         self.last_round: RoundReport | None = None
         # True: updates made to the tensors while a round runs are kept (tensor += average - start);
@@ -234,15 +241,22 @@ class DecentralizedAverager:
         if self._donor is not None:
             self._donor.set_version(int(value))
 
+    @property
+    def runtime(self) -> PeerRuntime | None:
+        """The peer runtime this averager runs on (None unless it runs)."""
+        return self._runtime
+
     def is_alive(self) -> bool:
-        return self._loop is not None and self._loop.alive
+        runtime = self._runtime
+        return runtime is not None and not runtime.closed and runtime.loop_thread.alive
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
-        """Starts the background loop, registers the RPC handlers and joins the DHT-side services."""
-        if self._loop is not None:
+        """Joins the peer's runtime, registers the RPC handlers and joins the DHT-side services."""
+        if self._runtime is not None:
             raise RuntimeError("the averager is already running")
-        self._loop = LoopThread(f"averager[{self.prefix}]")
-        future = self._loop.submit(self._start_services())
+        self._runtime = runtime = PeerRuntime.acquire(self.dht)
+        self._tasks = TaskOwner(f"averager[{self.prefix}]")
+        future = runtime.submit(self._start_services(runtime))
         if await_ready:
             try:
                 future.result(timeout if timeout is not None else 60.0)
@@ -250,63 +264,70 @@ class DecentralizedAverager:
                 self.shutdown()
                 raise
 
-    async def _start_services(self) -> None:
-        self._p2p = p2p = await replicate_dht_daemon(self.dht)
+    async def _start_services(self, runtime: PeerRuntime) -> None:
+        p2p = await runtime.start_network()
         namespace = f"averager.{self.prefix}"
-        self._server = RPCServer(p2p, namespace)
+        self._server = runtime.server.scope(namespace)
         if self._direct_config is not None and not self.client_mode:  # a client-mode peer accepts nothing
             await self._server.enable_direct(self._direct_config)
         client = RPCClient(p2p, namespace, prefer_direct=self._direct_config is not None)
         self._service = AllreduceService(self._server, client, peer_id=p2p.peer_id)
         self._service.on_early_stream = self._on_early_stream
         await self._service.start()
-        self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id)
+        dht_calls = runtime.dht_calls
+        self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id, dht_calls=dht_calls)
         self._looking = asyncio.Lock()  # concurrent steps look for groups one after another
-        self._loader = StateLoader(self.state_sharing_config, dht=self.dht, p2p=p2p)
+        self._loader = StateLoader(self.state_sharing_config, dht=self.dht, p2p=p2p, dht_calls=dht_calls)
         if not self.client_mode:  # a client-mode peer can never serve: it accepts no connections
             self._donor = StateDonor(
                 self.state_sharing_config,
                 dht=self.dht,
                 p2p=p2p,
+                server=runtime.server,
+                dht_calls=dht_calls,
                 get_state=self.get_current_state,
                 version=self._state_sharing_priority,
             )
             self._donor.allow_state_sharing = self._allow_state_sharing
             await self._donor.start()
 
-    async def _stop_services(self) -> None:
-        for stop in (
-            self._donor and self._donor.shutdown(timeout=self.shutdown_timeout),
-            self._service and self._service.shutdown(),
-            self._server and self._server.shutdown(timeout=self.shutdown_timeout),
-            self._p2p and self._p2p.shutdown(),
-        ):
-            if stop is not None:
-                try:
-                    await stop
-                except (HivemindExtError, OSError) as e:  # OSError: the daemon is gone already
-                    logger.debug(f"error while shutting the averager down: {e!r}")
+    async def _stop_services(self, tasks: TaskOwner | None) -> None:
+        """Stops what this averager started on the shared runtime (the runtime itself stops at its
+        last release): its steps and downloads in flight, then its services and handlers."""
+        stops: list[Callable[[], Awaitable[None]]] = []
+        if tasks is not None:  # (not `tasks and ...`: an owner with no task is falsy)
+            stops.append(lambda: tasks.aclose(timeout=self.shutdown_timeout))
+        if self._donor is not None:
+            stops.append(functools.partial(self._donor.shutdown, timeout=self.shutdown_timeout))
+        if self._service is not None:
+            stops.append(self._service.shutdown)
+        if self._server is not None:
+            stops.append(functools.partial(self._server.shutdown, timeout=self.shutdown_timeout))
+        for stop in stops:
+            try:
+                await stop()
+            except (HivemindExtError, OSError) as e:  # OSError: the daemon is gone already
+                logger.debug(f"error while shutting the averager down: {e!r}")
 
     def shutdown(self) -> None:
-        """Stops background work; pending steps fail with an error. Idempotent."""
-        loop, self._loop = self._loop, None
-        if loop is None:
+        """Stops background work and releases the peer runtime; pending steps fail with an error.
+        Idempotent."""
+        runtime, self._runtime = self._runtime, None
+        tasks, self._tasks = self._tasks, None
+        if runtime is None:
             return
-        if loop.alive:
-            with contextlib.suppress(HivemindExtError, TimeoutError):
-                loop.run(self._stop_services(), timeout=3 * self.shutdown_timeout + 1)
-        loop.stop(timeout=self.shutdown_timeout)
+        try:
+            if runtime.loop_thread.alive:
+                with contextlib.suppress(HivemindExtError, TimeoutError):
+                    runtime.run(self._stop_services(tasks), timeout=3 * self.shutdown_timeout + 1)
+        finally:
+            runtime.release()
 
     def __enter__(self) -> DecentralizedAverager:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        if getattr(self, "_loop", None) is not None:
-            with contextlib.suppress(Exception):
-                self.shutdown()
 
     # ----- tensors and state
 
@@ -332,10 +353,24 @@ class DecentralizedAverager:
         :param wait: block for the result; else return a ``concurrent.futures.Future``
         :param timeout: give up after this many seconds (default: 600)
         """
-        if not self.is_alive() or self._loader is None or self._loop is None:
+        if not self.is_alive() or self._loader is None or self._runtime is None:
             raise RuntimeError("the averager is not running: pass start=True or call run_in_background()")
-        future = self._loop.submit(self._load_state(timeout))
+        future = self._runtime.submit(self._owned(self._load_state(timeout)))
         return future.result() if wait else future
+
+    async def _owned(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coro`` in the current task, owned by this averager: its shutdown cancels the task
+        (the loop it runs on is shared, and outlives the averager)."""
+        tasks, task = self._tasks, asyncio.current_task()
+        if tasks is None or task is None:
+            coro.close()
+            raise ClosedError("the averager is shut down")
+        try:
+            tasks.adopt(task, report_errors=False)
+        except ClosedError:
+            coro.close()
+            raise
+        return await coro
 
     async def _load_state(self, timeout: float | None) -> tuple[Any, list[torch.Tensor]] | None:
         assert self._loader is not None
@@ -395,8 +430,14 @@ class DecentralizedAverager:
         )
         if not require_trigger:
             control.allow_allreduce()
-        assert self._loop is not None
-        task_future = self._loop.submit(self._run_step(control))
+        assert self._runtime is not None
+        task_future = self._runtime.submit(self._owned(self._run_step(control)))
+
+        def settle_if_never_ran(future: Any) -> None:  # e.g. shut down between is_alive() and submit
+            if future.cancelled() or future.exception() is not None:
+                _settle(control, exception=AllreduceError("the averager stopped"))
+
+        task_future.add_done_callback(settle_if_never_ran)
         control.add_done_callback(lambda c: task_future.cancel() if c.cancelled() else None)
         return control.result() if wait else control
 
@@ -512,17 +553,6 @@ class DecentralizedAverager:
         control = self._awaiting_trigger.get(group_id)
         if control is not None:
             control.mark_groupmate_started()
-
-
-async def replicate_dht_daemon(dht: DHT) -> P2P:
-    """A P2P replica of ``dht``'s libp2p daemon owned by the calling event loop (``dht.replicate_p2p()``
-    caches one per process, whose listener dies with the loop that first registered a handler on it)."""
-    return await P2P.replicate(await dht.run_coroutine(_daemon_listen_maddr, return_future=True))
-
-
-async def _daemon_listen_maddr(_dht: DHT, node: Any) -> Any:
-    """Runs inside the DHT's process: the address its libp2p daemon listens on for clients."""
-    return node.p2p.daemon_listen_maddr
 
 
 def _settle(control: StepControl, *, result: Any = None, exception: BaseException | None = None) -> None:

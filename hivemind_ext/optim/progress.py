@@ -15,7 +15,8 @@ parsed strictly and a malformed one is skipped, never trusted.
 :func:`aggregate_progress` turns the records into a :class:`GlobalTrainingProgress`; it is a pure
 function of the records, this peer's own progress and the clock, so tests drive it directly.
 :class:`ProgressTracker` is the thin I/O around it: a background thread that publishes this peer's
-record and fetches everyone's, every DHT call bounded by a deadline.
+record and fetches everyone's, every DHT call made through the peer runtime's DHT helper
+(:class:`~hivemind_ext.p2p.dht_calls.DHTCalls`) and bounded by a deadline.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ from hivemind_ext.errors import (
     ClosedError,
     ConfigurationError,
     DeadlineExceededError,
+    HivemindExtError,
     PeerUnreachableError,
     ProtocolError,
 )
+from hivemind_ext.p2p.runtime import PeerRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -391,7 +394,18 @@ class ProgressTracker:
         self.dht, self.prefix, self.target_batch_size = dht, prefix, target_batch_size
         self.client_mode = dht.client_mode if client_mode is None else client_mode
         self.training_progress_key = self.config.training_progress_key
+        self._runtime = PeerRuntime.acquire(dht)  # released by shutdown(), or below if construction fails
+        try:
+            self._setup(private_key, performance_ema_alpha, daemon, start)
+        except BaseException:
+            self._runtime.release()
+            raise
 
+    def _setup(
+        self, private_key: RSAPrivateKey | None, performance_ema_alpha: float, daemon: bool, start: bool
+    ) -> None:
+        """The rest of the constructor, once the runtime is acquired (so that a failure can release it)."""
+        dht, prefix = self.dht, self.prefix
         signature_validator = RSASignatureValidator(
             private_key if private_key is not None else default_signing_key(dht)
         )
@@ -421,6 +435,11 @@ class ProgressTracker:
             self.start()
 
     # -- what callers read ------------------------------------------------------------------------
+
+    @property
+    def runtime(self) -> PeerRuntime:
+        """The peer runtime whose DHT helper this tracker calls (shared with the peer's averagers)."""
+        return self._runtime
 
     @property
     def local_progress(self) -> LocalTrainingProgress:
@@ -517,28 +536,35 @@ class ProgressTracker:
         return self._thread.is_alive()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the background thread and withdraw this peer's record (best effort, without waiting
-        more than about a second for the DHT). Idempotent."""
+        """Stop the background thread, withdraw this peer's record (best effort, without waiting
+        more than about a second for the DHT) and release the peer runtime. Idempotent."""
         if self._stopping.is_set():
             return
         self._stopping.set()
         self._wake.set()
+        try:
+            self._stop(timeout)
+        finally:
+            self._runtime.release()
+
+    def _stop(self, timeout: float | None) -> None:
         give_up = time.monotonic() + (timeout if timeout is not None else math.inf)
         if self._thread.is_alive():
             self._thread.join(max(0.0, give_up - time.monotonic()) if timeout is not None else None)
         if self._thread.ident is None:  # never started: nothing was published
             return
         # A withdrawal needs a later expiration than the last record to replace it in the DHT.
+        wait = max(0.0, min(_REMOVAL_WAIT_SECONDS, give_up - time.monotonic()))
         try:
-            future = self.dht.store(
+            withdrawal = self._runtime.dht_calls.store(
                 self.training_progress_key,
                 None,
                 get_dht_time() + self.config.metadata_expiration,
                 subkey=self._own_subkey,
-                return_future=True,
+                timeout=wait,
             )
-            future.result(max(0.0, min(_REMOVAL_WAIT_SECONDS, give_up - time.monotonic())))
-        except Exception as e:  # the DHT may be gone already; the record then simply expires
+            self._runtime.run(withdrawal, timeout=wait + _POLL_SECONDS)
+        except HivemindExtError as e:  # the DHT may be gone already; the record then simply expires
             logger.debug("could not withdraw the progress record of %s: %r", self.prefix, e)
 
     # -- the background thread -------------------------------------------------------------------
@@ -552,7 +578,7 @@ class ProgressTracker:
                     self._wake.clear()
                     continue
                 deadline = time.monotonic() + self.config.request_timeout
-                store_future = self._start_publish() if publish else None
+                store_future = self._start_publish(deadline) if publish else None
                 if fetch:
                     with contextlib.suppress(DeadlineExceededError, PeerUnreachableError, ClosedError):
                         self._fetch(deadline=deadline, background=True)
@@ -576,20 +602,22 @@ class ProgressTracker:
             publish, fetch = now >= publish_at, now >= fetch_at
             return publish, fetch, max(0.0, min(publish_at, fetch_at) - now)
 
-    def _start_publish(self) -> Any:
+    def _start_publish(self, deadline: float) -> concurrent.futures.Future[bool] | None:
+        """Starts storing this peer's record on the runtime's loop; finish with :meth:`_finish_publish`."""
         with self._lock:
             local = self._local
             self._publish_pending = False
             self._last_publish_time = get_dht_time()
         try:
-            return self.dht.store(
+            store = self._runtime.dht_calls.store(
                 self.training_progress_key,
                 progress_value(local),
                 self._last_publish_time + self.config.metadata_expiration,
                 subkey=self._own_subkey,
-                return_future=True,
+                timeout=max(0.0, deadline - time.monotonic()),
             )
-        except Exception as e:
+            return self._runtime.submit(store)
+        except ClosedError as e:
             logger.debug("could not publish the progress of %s: %r", self.prefix, e)
             return None
 
@@ -607,12 +635,10 @@ class ProgressTracker:
             with self._lock:
                 self._fetch_pending = False
         try:
-            future = self.dht.get(self.training_progress_key, latest=True, return_future=True)
-        except Exception as e:
-            self._after_failed_fetch(background)
-            raise PeerUnreachableError(f"the DHT did not take the request: {e!r}") from e
-        try:
-            found = self._wait(future, deadline)
+            read = self._runtime.dht_calls.get(
+                self.training_progress_key, latest=True, timeout=max(0.0, deadline - time.monotonic())
+            )
+            found = self._wait(self._runtime.submit(read), deadline)
         except BaseException:
             self._after_failed_fetch(background)
             raise
@@ -646,23 +672,30 @@ class ProgressTracker:
                 retry_at = get_dht_time() + self.config.default_refresh_period
                 self._global = dataclasses.replace(self._global, next_fetch_time=retry_at)
 
-    def _wait(self, future: Any, deadline: float) -> Any:
-        """The result of a DHT future, waiting until ``deadline`` (monotonic) at most and giving up
-        early if the tracker shuts down; the future is cancelled when abandoned."""
+    def _wait(self, future: concurrent.futures.Future[Any], deadline: float) -> Any:
+        """The result of a DHT call running on the runtime's loop (which bounds it by the same
+        deadline), checking every ``_POLL_SECONDS`` whether the tracker shuts down; the call is
+        cancelled when abandoned.
+
+        :raises DeadlineExceededError: no answer by ``deadline`` (monotonic)
+        :raises PeerUnreachableError: the DHT failed the call, or is not running
+        :raises ClosedError: the tracker is shutting down
+        """
         while True:
-            remaining = deadline - time.monotonic()
             try:
-                return future.result(timeout=max(0.0, min(_POLL_SECONDS, remaining)))
-            except concurrent.futures.TimeoutError:  # TimeoutError itself from Python 3.11 on
-                if future.done():  # the DHT call itself raised TimeoutError
-                    future.cancel()
-                    raise PeerUnreachableError("the DHT request timed out inside the DHT") from None
-            except Exception as e:
-                raise PeerUnreachableError(f"the DHT request failed: {e!r}") from e
+                return future.result(timeout=max(0.0, min(_POLL_SECONDS, deadline - time.monotonic())))
+            except (DeadlineExceededError, PeerUnreachableError):  # before TimeoutError: one is a subclass
+                raise
+            except ClosedError as e:  # the DHT refused the request: its process is gone
+                raise PeerUnreachableError(f"the DHT did not take the request: {e}") from e
+            except concurrent.futures.CancelledError as e:  # the runtime's loop stopped under the call
+                raise ClosedError("the peer runtime stopped during a DHT call") from e
+            except concurrent.futures.TimeoutError:  # not answered yet (TimeoutError itself from 3.11 on)
+                pass
             if self._stopping.is_set():
-                future.cancel()  # in this process only: a cancel never waits on the DHT
+                future.cancel()  # cancels the call on the loop; it never waits on the DHT
                 raise ClosedError("the progress tracker is shutting down")
-            if remaining <= 0:
+            if time.monotonic() >= deadline + _POLL_SECONDS:  # the helper should have given up by now
                 future.cancel()
                 raise DeadlineExceededError(f"the DHT did not answer {self.training_progress_key!r} in time")
 
@@ -697,13 +730,13 @@ class ProgressTracker:
         """hivemind's DHT keeps the first RSASignatureValidator it is given and drops later ones (their
         ``merge_with``), signing with the first one's key only. A record under a subkey with another
         key would then go unsigned and every node would refuse it, silently: fail loudly instead."""
-        future = self.dht.run_coroutine(
-            partial(_signs_with_key, owner_subkey=validator.local_public_key), return_future=True
-        )
+        check = partial(_signs_with_key, owner_subkey=validator.local_public_key)
+        timeout = self.config.request_timeout
         try:
-            signs = future.result(timeout=self.config.request_timeout)
-        except concurrent.futures.TimeoutError as e:
-            future.cancel()
+            signs = self._runtime.run(
+                self._runtime.dht_calls.run_coroutine(check, timeout=timeout), timeout=timeout + _POLL_SECONDS
+            )
+        except DeadlineExceededError as e:
             raise DeadlineExceededError("the DHT did not answer while checking its signing key") from e
         if not signs:
             raise ConfigurationError(

@@ -82,10 +82,35 @@ class RPCServer:
         self._direct: DirectListener | None = None
         self._tickets: TicketBook | None = None
         self._pending_hellos = 0
+        self._scopes: dict[str, RPCServer] = {}  # namespace -> open scope (see scope())
+        self._parent: RPCServer | None = None
 
     @property
     def handlers(self) -> tuple[str, ...]:
         return tuple(self._routes)
+
+    @property
+    def scopes(self) -> tuple[str, ...]:
+        """The namespaces of the scopes (see :meth:`scope`) that are open on this server."""
+        return tuple(self._scopes)
+
+    def scope(self, namespace: str, *, config: HandlerConfig | None = None) -> RPCServer:
+        """A server for the handlers of one component under ``namespace``, on the same P2P instance.
+
+        Several components of one peer (averagers, state donors, decentralized SGD) share one server
+        this way (see :class:`~hivemind_ext.p2p.runtime.PeerRuntime`): each registers, serves and
+        shuts down its own handlers on its scope, and shutting this server down shuts every scope
+        still open. A namespace names one scope at a time, so two components cannot register
+        handlers under the same protocol names (:class:`ConfigurationError`).
+        """
+        if self._calls.closing:
+            raise ClosedError(f"RPCServer({self.namespace}) is shut down")
+        if namespace == self.namespace or namespace in self._scopes:
+            raise ConfigurationError(f"namespace {namespace!r} is already served on this peer")
+        child = RPCServer(self.p2p, namespace, config=config)
+        child._parent = self
+        self._scopes[namespace] = child
+        return child
 
     @property
     def active_calls(self) -> int:
@@ -200,6 +225,11 @@ class RPCServer:
         if self._direct is not None:
             self._direct.stop_accepting()
         try:
+            for scope in list(self._scopes.values()):
+                try:
+                    await scope.shutdown(timeout=max(remaining(deadline), SHUTDOWN_MIN_WAIT))
+                except HivemindExtError as e:  # its handlers ignored cancellation: stop the others anyway
+                    logger.warning(f"scope {scope.namespace} did not shut down cleanly: {e}")
             for name in list(self._routes):
                 route = self._routes.pop(name)
                 try:
@@ -209,6 +239,8 @@ class RPCServer:
                 except Exception as e:  # the daemon may be dead already; the calls must be stopped anyway
                     logger.debug(f"could not remove handler {route.protocol}: {type(e).__name__}: {e}")
         finally:
+            if self._parent is not None and self._parent._scopes.get(self.namespace) is self:
+                del self._parent._scopes[self.namespace]
             await self._calls.aclose(timeout=max(remaining(deadline), SHUTDOWN_MIN_WAIT))
 
     async def __aenter__(self) -> RPCServer:

@@ -101,8 +101,7 @@ import functools
 import logging
 import math
 import secrets
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from hivemind import DHT
 from hivemind.dht import DHTNode
@@ -118,12 +117,17 @@ from hivemind_ext.averaging.matchmaking.protocol import (
     step,
     withdrawal,
 )
-from hivemind_ext.errors import ConfigurationError, MatchmakingError
+from hivemind_ext.errors import (
+    ClosedError,
+    ConfigurationError,
+    DeadlineExceededError,
+    MatchmakingError,
+    PeerUnreachableError,
+)
+from hivemind_ext.p2p.dht_calls import DHTCalls
 
 logger = logging.getLogger(__name__)
 COMMIT_ATTEMPTS = 3  # the commit is the one write that must land: members only ever return a committed group
-T = TypeVar("T")
-_FAILED = object()  # what _bounded returns for a DHT call that timed out or failed
 
 __all__ = ["GroupInfo", "Matchmaker", "MatchmakingConfig", "Member"]
 
@@ -134,12 +138,15 @@ class Matchmaker:
     :param config: how to look for groups (prefix, group sizes, timeouts, this peer's role).
     :param dht: a running hivemind DHT; the matchmaker only stores and reads records through it.
     :param peer_id: this peer's id as other members will address it; defaults to the DHT's.
+    :param dht_calls: the peer runtime's DHT helper (default: one of the matchmaker's own around ``dht``).
     """
 
-    def __init__(self, config: MatchmakingConfig, *, dht: DHT, peer_id: PeerID | None = None) -> None:
+    def __init__(
+        self, config: MatchmakingConfig, *, dht: DHT, peer_id: PeerID | None = None, dht_calls: DHTCalls | None = None
+    ) -> None:
         self.config = config
         self.peer_id = peer_id if peer_id is not None else dht.peer_id
-        self._dht = dht
+        self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
         self._key = board_key(config.prefix)
         self._busy = False
 
@@ -195,7 +202,7 @@ class Matchmaker:
                 now = get_dht_time()
                 if now >= declaration.deadline:
                     raise MatchmakingError(f"no averaging group under {self.config.prefix!r} before the deadline")
-                if not self._dht.is_alive():  # its pipe would swallow our requests and never answer
+                if not self._dht_calls.is_alive():  # its pipe would swallow our requests and never answer
                     raise MatchmakingError("the DHT process is not running")
                 urgent = read_now = False
                 if board is not None:  # None: the read failed, skip this poll
@@ -250,10 +257,18 @@ class Matchmaker:
         call failed). The protocol tolerates lost writes (except a leader's commit), so a failed
         write is only logged."""
         request = functools.partial(_store_then_read, self._key, writes, read)
-        result = await self._bounded(self._send(lambda: self._dht.run_coroutine(request, return_future=True)), deadline)
-        if result is _FAILED:
+        # at most request_timeout, and never past the deadline (a DHT time: converted to the loop clock)
+        timeout = max(0.0, min(self.config.request_timeout, deadline - get_dht_time()))
+        try:
+            stored, entries = await self._dht_calls.run_coroutine(request, timeout=timeout)
+        except ClosedError as e:
+            raise MatchmakingError("the DHT process is not running") from e
+        except DeadlineExceededError:  # the protocol tolerates a lost read or write: skip this poll
+            logger.debug("a matchmaking DHT call timed out after %.3f s", timeout)
             return not writes, None
-        stored, entries = result
+        except PeerUnreachableError as e:  # the DHT process reported a failure
+            logger.warning("a matchmaking DHT call failed: %r", e.__cause__ or e)
+            return not writes, None
         if not stored:
             logger.debug("some of the matchmaking records %s were not stored", [w.subkey for w in writes])
         board = None if entries is None else parse_board(self.config.prefix, entries, get_dht_time())
@@ -261,51 +276,13 @@ class Matchmaker:
 
     def _withdraw(self, state: State) -> None:
         """Best effort, without waiting: the stores run in the DHT process even after we return."""
-        if not self._dht.is_alive():
+        if not self._dht_calls.is_alive():
             return
         for write in withdrawal(state, get_dht_time(), self.config):
             try:
-                self._store_nowait(write)
+                self._dht_calls.store_nowait(self._key, write.value, write.expiration_time, subkey=write.subkey)
             except Exception as e:  # a DHT that is already shut down cannot take the store
                 logger.debug("could not withdraw matchmaking record %s: %r", write.subkey, e)
-
-    def _store_nowait(self, write: Write) -> Awaitable[Any]:
-        return self._send(
-            lambda: self._dht.store(
-                self._key, write.value, write.expiration_time, subkey=write.subkey, return_future=True
-            )
-        )
-
-    @staticmethod
-    def _send(request: Callable[[], Awaitable[T]]) -> Awaitable[T]:
-        """Hand a request to the DHT process; the pipe to it fails only once the DHT is shut down."""
-        try:
-            return request()
-        except OSError as e:
-            raise MatchmakingError("the DHT process is not running") from e
-
-    async def _bounded(self, awaitable: Awaitable[T], deadline: float) -> T | object:
-        """Await a DHT call for at most request_timeout and never past the deadline; _FAILED if it failed.
-
-        Not ``asyncio.wait_for``: before Python 3.12 it can swallow a cancellation that arrives just
-        as the call completes, and a cancelled matchmaker would then run on until its deadline.
-        """
-        timeout = max(0.0, min(self.config.request_timeout, deadline - get_dht_time()))
-        call = asyncio.ensure_future(awaitable)
-        try:
-            done, _ = await asyncio.wait({call}, timeout=timeout)
-        finally:
-            if not call.done():
-                call.cancel()  # it only waits for the DHT process's answer; nothing is left behind
-                await asyncio.wait({call})
-        if not done:
-            logger.debug("a matchmaking DHT call timed out after %.3f s", timeout)
-            return _FAILED
-        try:
-            return call.result()
-        except Exception as e:  # the DHT process reports its failures as exceptions; the protocol tolerates them
-            logger.warning("a matchmaking DHT call failed: %r", e)
-            return _FAILED
 
 
 async def _store_then_read(

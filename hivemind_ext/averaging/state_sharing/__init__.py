@@ -4,14 +4,16 @@ newest one, spread over several donors and checked chunk by chunk.
 For the averager::
 
     config = StateSharingConfig(prefix="run42", load_state_compression=Float16Compression())
-    p2p = await dht.replicate_p2p()
+    runtime = PeerRuntime.acquire(dht)      # the peer's loop, P2P replica, RPC server and DHT calls
+    p2p = await runtime.start_network()     # on runtime.loop_thread
 
-    donor = StateDonor(config, dht=dht, p2p=p2p, get_state=snapshot_under_lock, version=epoch)
+    donor = StateDonor(config, dht=dht, p2p=p2p, get_state=snapshot_under_lock, version=epoch,
+                       server=runtime.server, dht_calls=runtime.dht_calls)
     await donor.start()                     # serves and advertises (neither in client mode)
     donor.set_version(epoch)                # after each state update, from any thread
     donor.allow_state_sharing = False       # hivemind's switch, from any thread
 
-    loader = StateLoader(config, dht=dht, p2p=p2p)
+    loader = StateLoader(config, dht=dht, p2p=p2p, dht_calls=runtime.dht_calls)
     loaded = await loader.load_state_from_peers(timeout=60)   # (metadata, tensors) or None
 
     await donor.shutdown()

@@ -10,10 +10,10 @@ Usage (inside the averager's event loop)::
     await donor.shutdown()
 
 The download handler runs on the donor's own :class:`~hivemind_ext.p2p.RPCServer` (namespace
-``<prefix>.state``), independently of any averaging work: it never waits for an all-reduce, only
-(at most ``snapshot_timeout``) for ``get_state``, and it answers "busy" at once when
-``max_concurrent_downloads`` downloads are in progress. See :mod:`.manifest` for the wire
-format and :mod:`.snapshot` for snapshots.
+``<prefix>.state``; a scope of the peer runtime's server when one is passed), independently of
+any averaging work: it never waits for an all-reduce, only (at most ``snapshot_timeout``) for
+``get_state``, and it answers "busy" at once when ``max_concurrent_downloads`` downloads are in
+progress. See :mod:`.manifest` for the wire format and :mod:`.snapshot` for snapshots.
 
 Client-mode peers accept no incoming connections: their donor neither registers the handler nor
 advertises, and :attr:`StateDonor.serving` is False.
@@ -53,6 +53,7 @@ from hivemind_ext.errors import (
     ProtocolError,
 )
 from hivemind_ext.p2p import HandlerConfig, Limits, Message, RPCContext, RPCServer, TaskOwner, now, wait_until
+from hivemind_ext.p2p.dht_calls import DHTCalls
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ class StateDonor:
     :param config: the state sharing configuration (prefix, codec, limits, timeouts).
     :param dht: a running hivemind DHT, for the advertisement.
     :param p2p: the libp2p daemon to serve on (``await dht.replicate_p2p()``).
+    :param server: serve on a scope of this (the peer runtime's) RPC server instead of a server of
+      the donor's own on ``p2p``.
+    :param dht_calls: the peer runtime's DHT helper (default: one of the donor's own around ``dht``).
     :param get_state: returns the snapshot to serve (see :data:`.state_snapshot.StateGetter`).
     :param version: the state's version (e.g. the epoch); newcomers download the newest one.
     :param hooks: fault injection for tests.
@@ -109,6 +113,8 @@ class StateDonor:
         get_state: StateGetter,
         version: int = 0,
         hooks: DonorHooks | None = None,
+        server: RPCServer | None = None,
+        dht_calls: DHTCalls | None = None,
     ) -> None:
         if not callable(get_state):
             raise ConfigurationError(f"get_state must be callable, got {type(get_state).__name__}")
@@ -125,7 +131,11 @@ class StateDonor:
             reuse_time=config.snapshot_reuse_time,
             executor=self._executor,
         )
-        self._server = RPCServer(p2p, config.rpc_namespace, config=self._handler_config())
+        self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
+        if server is not None:
+            self._server = server.scope(config.rpc_namespace, config=self._handler_config())
+        else:
+            self._server = RPCServer(p2p, config.rpc_namespace, config=self._handler_config())
         self._tasks = TaskOwner(f"StateDonor({config.prefix})")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
@@ -237,15 +247,14 @@ class StateDonor:
     async def _store_record(self, *, accepts: bool, timeout: float) -> bool:
         expiration = get_dht_time() + self.config.declare_state_period
         try:
-            future = self.dht.store(
+            return await self._dht_calls.store(
                 donors_key(self.config.prefix),
                 donor_value(self._version, accepts),
                 expiration,
                 subkey=self.p2p.peer_id.to_base58(),
-                return_future=True,
+                timeout=timeout,
             )
-            return bool(await wait_until(future, now() + timeout, "advertising the state"))
-        except (HivemindExtError, OSError, RuntimeError) as e:  # a stopped DHT raises OSError / RuntimeError
+        except HivemindExtError as e:  # timed out, failed, or the DHT is stopped
             logger.warning("could not advertise the state of %s: %s: %s", self.config.prefix, type(e).__name__, e)
             return False
 

@@ -53,10 +53,12 @@ from hivemind_ext.averaging.state_sharing.manifest import (
 from hivemind_ext.averaging.state_sharing.records import DonorRecord, donor_tiers, donors_key, parse_donor_records
 from hivemind_ext.compression import decompress
 from hivemind_ext.errors import (
+    ClosedError,
     CompressionError,
     DeadlineExceededError,
     DonorBusyError,
     HivemindExtError,
+    PeerUnreachableError,
     RemoteError,
     StateLoadError,
 )
@@ -71,6 +73,7 @@ from hivemind_ext.p2p import (
     resolve_deadline,
     wait_until,
 )
+from hivemind_ext.p2p.dht_calls import DHTCalls
 
 logger = logging.getLogger(__name__)
 
@@ -175,10 +178,12 @@ class StateLoader:
     :param config: the state sharing configuration (prefix, timeouts, limits).
     :param dht: a running hivemind DHT, to find donors.
     :param p2p: the libp2p daemon to download through (``await dht.replicate_p2p()``); client mode is fine.
+    :param dht_calls: the peer runtime's DHT helper (default: one of the loader's own around ``dht``).
     """
 
-    def __init__(self, config: StateSharingConfig, *, dht: DHT, p2p: P2P) -> None:
+    def __init__(self, config: StateSharingConfig, *, dht: DHT, p2p: P2P, dht_calls: DHTCalls | None = None) -> None:
         self.config, self.dht, self.p2p = config, dht, p2p
+        self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
         limits = Limits(max_payload_bytes=max(MAX_MANIFEST_BYTES, MAX_CHUNK_PAYLOAD_BYTES))
         self.client = RPCClient(p2p, config.rpc_namespace, limits=limits, default_timeout=DEFAULT_LOAD_TIMEOUT)
 
@@ -227,11 +232,10 @@ class StateLoader:
 
     async def _read_donors(self, deadline: float) -> list[DonorRecord]:
         try:
-            future = self.dht.get(donors_key(self.config.prefix), latest=True, return_future=True)
-            result = await wait_until(
-                future, min(deadline, now() + self.config.dht_timeout), "reading state donors from the DHT"
+            result = await self._dht_calls.get(
+                donors_key(self.config.prefix), latest=True, deadline=min(deadline, now() + self.config.dht_timeout)
             )
-        except (DeadlineExceededError, OSError, RuntimeError) as e:  # a stopped DHT raises OSError / RuntimeError
+        except (DeadlineExceededError, PeerUnreachableError, ClosedError) as e:
             raise StateLoadError(f"could not read the state donors from the DHT: {type(e).__name__}: {e}") from e
         value = getattr(result, "value", None)  # None: no donor ever advertised under this prefix
         entries = value.items() if isinstance(value, dict) else ()

@@ -27,15 +27,14 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
-from hivemind_ext.averaging.averager import replicate_dht_daemon
 from hivemind_ext.compression import CompressedTensor, MinMaxUInt8, NoCompression, decompress
 from hivemind_ext.compression.resolve import as_codec
-from hivemind_ext.errors import ConfigurationError, HivemindExtError, ProtocolError
+from hivemind_ext.errors import ClosedError, ConfigurationError, HivemindExtError, ProtocolError
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket, Operation
 from hivemind_ext.optim.algorithms.neighbours import NeighbourRegistry, choose_neighbours
-from hivemind_ext.p2p import HandlerConfig, Limits, Message, RPCClient, RPCContext, RPCServer, TaskOwner
+from hivemind_ext.p2p import HandlerConfig, Limits, Message, RPCClient, RPCContext, TaskOwner
 from hivemind_ext.p2p.messages import TENSOR_KEY, pack_tensor, unpack_tensor
-from hivemind_ext.runtime import LoopThread
+from hivemind_ext.p2p.runtime import PeerRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -141,18 +140,25 @@ class DecentralizedSGDImpl(AlgorithmImpl):
         # subscriber's replica starts from it, and every later difference applies on top)
         self._published = torch.cat([p.detach().reshape(-1).float() for p in context.params])
         self._next_maintenance = 0.0
-        self._loop = LoopThread(f"decentralized-sgd[{context.key}]")
+        # the peer's runtime (shared with its averagers and tracker): the loop, P2P replica, RPC server
+        self._runtime = PeerRuntime.acquire(context.dht)
+        self._closed = False
         self._tasks: TaskOwner | None = None
         try:
-            self._loop.run(self._start(), timeout=30)
+            self._runtime.run(self._start(), timeout=30)
         except BaseException:
-            self._loop.stop(timeout=5)
+            self.shutdown()
             raise
         self.peer_id = self._p2p.peer_id.to_base58()
         self.registry = NeighbourRegistry(
-            context.dht, context.prefix("decsgd_peers"), self.peer_id, timeout=algorithm.request_timeout
+            self._runtime, context.prefix("decsgd_peers"), self.peer_id, timeout=algorithm.request_timeout
         )
         self.registry.register(force=True)
+
+    @property
+    def runtime(self) -> PeerRuntime:
+        """The peer runtime this algorithm serves and calls on (shared with the peer's other components)."""
+        return self._runtime
 
     # ----- the Algorithm API
 
@@ -221,9 +227,15 @@ class DecentralizedSGDImpl(AlgorithmImpl):
             queues = list(self._subscribers.items())
         for peer, queue in queues:
             if queue.qsize() >= MAX_QUEUED_PUSHES:
-                self._loop.submit(self._drop_subscriber(peer, "it fell too far behind"))
+                self._submit(self._drop_subscriber(peer, "it fell too far behind"))
             else:
-                self._loop.submit(_put(queue, (seq, message)))
+                self._submit(_put(queue, (seq, message)))
+
+    def _submit(self, coro: Any) -> None:
+        if self._closed:
+            coro.close()
+            raise ClosedError("decentralized SGD is shut down")
+        self._runtime.submit(coro)
 
     # ----- neighbours (training thread)
 
@@ -260,7 +272,7 @@ class DecentralizedSGDImpl(AlgorithmImpl):
             if neighbour is None or neighbour.replica is not None:
                 neighbour = self.neighbours[peer] = _Neighbour()  # pushes may arrive before the answer
         try:
-            response = self._loop.run(
+            response = self._runtime.run(
                 self._client.call(
                     PeerID.from_base58(peer),
                     "subscribe",
@@ -285,7 +297,7 @@ class DecentralizedSGDImpl(AlgorithmImpl):
 
     def _ping(self, peer: str) -> bool:
         try:
-            response = self._loop.run(
+            response = self._runtime.run(
                 self._client.call(
                     PeerID.from_base58(peer), "ping", Message({}), timeout=self.algorithm.request_timeout
                 ),
@@ -304,11 +316,11 @@ class DecentralizedSGDImpl(AlgorithmImpl):
     # ----- the service (loop thread)
 
     async def _start(self) -> None:
-        self._p2p = await replicate_dht_daemon(self.context.dht)
+        self._p2p = await self._runtime.start_network()
         namespace = f"decsgd.{self.context.prefix('x')}"
         limits = Limits(max_payload_bytes=8 * self.numel + (1 << 20))
         config = HandlerConfig(limits=limits, max_timeout=60.0, max_concurrent_calls=64)
-        self._server = RPCServer(self._p2p, namespace, config=config)
+        self._server = self._runtime.server.scope(namespace, config=config)
         self._client = RPCClient(self._p2p, namespace, limits=limits, default_timeout=self.algorithm.request_timeout)
         self._tasks = TaskOwner(f"decentralized-sgd[{self.context.key}]")
         await self._server.add_unary("subscribe", self._handle_subscribe)
@@ -374,23 +386,27 @@ class DecentralizedSGDImpl(AlgorithmImpl):
             queue.put_nowait(None)
 
     async def _stop(self) -> None:
+        """Stops what this algorithm started on the shared runtime: its pushes, then its handlers."""
         if self._tasks is not None:
             await self._tasks.aclose(timeout=5)
-        for stop in (self._server.shutdown(timeout=2), self._p2p.shutdown()):
+        server = getattr(self, "_server", None)  # None if _start failed before making it
+        if server is not None:
             try:
-                await stop
+                await server.shutdown(timeout=2)
             except HivemindExtError as e:
                 logger.debug(f"error while stopping decentralized SGD: {e}")
 
     def shutdown(self) -> None:
-        if not self._loop.alive:
+        """Stops serving and releases the peer runtime; idempotent."""
+        if self._closed:
             return
+        self._closed = True
         try:
-            self._loop.run(self._stop(), timeout=10)
+            self._runtime.run(self._stop(), timeout=10)
         except (HivemindExtError, TimeoutError) as e:
             logger.debug(f"decentralized SGD did not stop cleanly: {e!r}")
         finally:
-            self._loop.stop(timeout=5)
+            self._runtime.release()
 
 
 def _join_push(batch: list[tuple[int, Any]]) -> Message:

@@ -12,8 +12,10 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hivemind import DHT
 from hivemind.utils import get_dht_time
+
+from hivemind_ext.errors import HivemindExtError
+from hivemind_ext.p2p.runtime import PeerRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +42,14 @@ def choose_neighbours(
 
 class NeighbourRegistry:
     """Registers this peer under ``key`` and lists the other registered peers (blocking DHT calls
-    with timeouts; call from a worker thread, not the event loop)."""
+    through the peer runtime's DHT helper, each within ``timeout``; call from a worker thread, not
+    the event loop). A failed call is skipped: registering is retried at the next call, and a failed
+    read lists nobody."""
 
-    def __init__(self, dht: DHT, key: str, peer_id: str, *, expiration: float = 30.0, timeout: float = 5.0) -> None:
-        self.dht, self.key, self.peer_id = dht, key, peer_id
+    def __init__(
+        self, runtime: PeerRuntime, key: str, peer_id: str, *, expiration: float = 30.0, timeout: float = 5.0
+    ) -> None:
+        self.runtime, self.key, self.peer_id = runtime, key, peer_id
         self.expiration, self.timeout = expiration, timeout
         self._registered_until = 0.0
 
@@ -52,18 +58,20 @@ class NeighbourRegistry:
         if not force and now < self._registered_until - self.expiration / 2:
             return
         try:
-            future = self.dht.store(
-                self.key, subkey=self.peer_id, value=now, expiration_time=now + self.expiration, return_future=True
+            store = self.runtime.dht_calls.store(
+                self.key, now, now + self.expiration, subkey=self.peer_id, timeout=self.timeout
             )
-            if future.result(self.timeout):
+            if self.runtime.run(store, timeout=self.timeout + 1):
                 self._registered_until = now + self.expiration
-        except Exception as e:  # a DHT hiccup: try again at the next call
+        except HivemindExtError as e:  # a DHT hiccup: try again at the next call
             logger.debug(f"could not register as a neighbour under {self.key}: {e!r}")
 
     def live_peers(self) -> list[str]:
         try:
-            found = self.dht.get(self.key, latest=True, return_future=True).result(self.timeout)
-        except Exception as e:
+            found = self.runtime.run(
+                self.runtime.dht_calls.get(self.key, timeout=self.timeout), timeout=self.timeout + 1
+            )
+        except HivemindExtError as e:
             logger.debug(f"could not read the neighbour registry {self.key}: {e!r}")
             return []
         if found is None or not isinstance(found.value, dict):

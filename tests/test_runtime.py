@@ -1,0 +1,208 @@
+"""PeerRuntime: one event loop, P2P replica, RPC server and DHT helper per peer, one ordered shutdown.
+
+Real DHTs on 127.0.0.1; DHT faults come through the public seam (tests/faulty_dht.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+
+import hivemind
+import pytest
+import torch
+from faulty_dht import FaultyDHT
+from hivemind.utils import get_dht_time
+from swarm import local_swarm
+
+from hivemind_ext.averaging import DecentralizedAverager
+from hivemind_ext.errors import (
+    ClosedError,
+    ConfigurationError,
+    DeadlineExceededError,
+    PeerUnreachableError,
+)
+from hivemind_ext.optim.progress import ProgressTracker
+from hivemind_ext.p2p import DHTCalls, PeerRuntime
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[hivemind.DHT]]:
+    with local_swarm(2) as dhts:
+        yield dhts
+
+
+def fresh(name: str) -> str:
+    return f"runtime-test-{name}-{next(_names)}"
+
+
+def averager(dht: hivemind.DHT, prefix: str, value: float) -> DecentralizedAverager:
+    return DecentralizedAverager(
+        [torch.full((10,), value)], dht, prefix=prefix, target_group_size=2, min_matchmaking_time=30.0, start=True
+    )
+
+
+def test_two_averagers_and_a_tracker_of_one_peer_share_one_runtime(swarm) -> None:
+    x, y = fresh("x"), fresh("y")
+    first, second = averager(swarm[0], x, 1.0), averager(swarm[0], y, 10.0)
+    tracker = ProgressTracker(swarm[0], fresh("progress"), 100, start=False)
+    others = [averager(swarm[1], x, 3.0), averager(swarm[1], y, 30.0)]
+    try:
+        runtime = first.runtime
+        assert runtime is not None and runtime is second.runtime is tracker.runtime
+        assert runtime.references == 3 and runtime is PeerRuntime.acquire(swarm[0])
+        runtime.release()
+        assert runtime.loop_thread is second.runtime.loop_thread and runtime.loop_thread.alive
+        assert runtime.p2p is second.runtime.p2p and runtime.server is second.runtime.server
+        # each component serves on its own scope of the one server, named after its prefix
+        assert {f"averager.{x}", f"averager.{y}"} <= set(runtime.server.scopes)
+        with pytest.raises(ConfigurationError, match="already served"):
+            runtime.server.scope(f"averager.{x}")
+        assert others[0].runtime is not runtime  # another DHT is another peer
+
+        # both averagers of one peer average through the one server, each with its own group
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            steps = [pool.submit(a.step, timeout=30) for a in (first, second, *others)]
+            for step in steps:
+                step.result(timeout=60)
+        for one, expected in ((first, 2.0), (second, 20.0)):
+            with one.get_tensors() as tensors:
+                torch.testing.assert_close(tensors[0], torch.full((10,), expected))
+    finally:
+        for component in (first, second, tracker, *others):
+            component.shutdown()
+
+
+def test_a_second_averager_with_the_same_prefix_is_refused_and_releases_the_runtime(swarm) -> None:
+    prefix = fresh("same")
+    first = averager(swarm[0], prefix, 1.0)
+    try:
+        runtime = first.runtime
+        assert runtime is not None
+        with pytest.raises(ConfigurationError, match="already served"):
+            averager(swarm[0], prefix, 2.0)
+        assert runtime.references == 1 and not runtime.closed
+    finally:
+        first.shutdown()
+
+
+def test_the_last_release_shuts_everything_down_in_order(swarm) -> None:
+    first, second = averager(swarm[0], fresh("a"), 1.0), averager(swarm[0], fresh("b"), 1.0)
+    tracker = ProgressTracker(swarm[0], fresh("progress"), 100, start=True)
+    runtime = first.runtime
+    assert runtime is not None
+    server, loop_thread = runtime.server, runtime.loop_thread
+    order: list[str] = []
+
+    async def closer(name: str) -> None:
+        order.append(f"{name}: scopes {sorted(server.scopes)}")
+
+    runtime.add_closer("first", lambda: closer("first"))
+    runtime.add_closer("second", lambda: closer("second"))
+
+    first.shutdown()
+    first.shutdown()  # a second shutdown is a no-op
+    assert not first.is_alive() and second.is_alive() and runtime.references == 2
+    assert f"averager.{first.prefix}" not in server.scopes and f"averager.{second.prefix}" in server.scopes
+    tracker.shutdown()
+    tracker.shutdown()
+    assert loop_thread.alive and order == []
+    left_open = server.scope("left-open-by-a-test")  # the server shuts down every scope still open
+
+    second.shutdown()
+    assert runtime.closed and runtime.references == 0
+    # closers newest first, while the server still serves; then the server, the replica, the loop
+    assert order == ["second: scopes ['left-open-by-a-test']", "first: scopes ['left-open-by-a-test']"]
+    assert server.scopes == () and left_open.handlers == ()
+    assert not loop_thread.alive
+    assert all(thread.name != loop_thread.name for thread in threading.enumerate())
+    for use in (lambda: runtime.dht_calls, lambda: runtime.p2p, lambda: runtime.server, runtime.release):
+        with pytest.raises(ClosedError):
+            use()
+    with pytest.raises(ClosedError):
+        runtime.run(asyncio.sleep(0), timeout=1)
+
+    fresh_runtime = PeerRuntime.acquire(swarm[0])  # the peer's next component starts a new one
+    try:
+        assert fresh_runtime is not runtime and fresh_runtime.loop_thread.alive
+    finally:
+        fresh_runtime.release()
+    assert not fresh_runtime.loop_thread.alive
+
+
+def test_a_tracker_alone_starts_no_p2p_replica(swarm) -> None:
+    tracker = ProgressTracker(swarm[1], fresh("alone"), 100, start=True)
+    try:
+        assert not tracker.runtime.network_started
+        with pytest.raises(ClosedError, match="not started"):
+            _ = tracker.runtime.p2p
+    finally:
+        tracker.shutdown()
+
+
+def test_the_dht_helper_stores_and_reads_through_a_real_dht(swarm) -> None:
+    async def scenario() -> object:
+        calls, key = DHTCalls(swarm[0]), fresh("key")
+        assert await calls.store(key, "value", get_dht_time() + 60, subkey="me", timeout=10)
+        return await calls.get(key, timeout=10)
+
+    found = asyncio.run(scenario())
+    assert found is not None and found.value["me"].value == "value"
+
+
+@pytest.mark.parametrize("method", ["get", "store", "run_coroutine"])
+def test_the_dht_helper_raises_deadline_exceeded_when_the_dht_hangs(swarm, method: str) -> None:
+    calls = DHTCalls(FaultyDHT(swarm[0], hang={method}))
+    requests = {
+        "get": lambda: calls.get("k", timeout=0.3),
+        "store": lambda: calls.store("k", 1, get_dht_time() + 10, timeout=0.3),
+        "run_coroutine": lambda: calls.run_coroutine(_noop, timeout=0.3),
+    }
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError):
+        asyncio.run(requests[method]())
+    assert time.monotonic() - started < 2.0
+
+
+def test_the_dht_helper_raises_typed_errors_not_sentinels(swarm) -> None:
+    failing, refusing = DHTCalls(FaultyDHT(swarm[0], fail={"get"})), DHTCalls(FaultyDHT(swarm[0], refuse={"store"}))
+    with pytest.raises(PeerUnreachableError, match="FaultyDHT fails get"):
+        asyncio.run(failing.get("k", timeout=5))
+    with pytest.raises(ClosedError, match="not running"):
+        asyncio.run(refusing.store("k", 1, get_dht_time() + 10, timeout=5))
+    with pytest.raises(ClosedError):
+        refusing.store_nowait("k", 1, get_dht_time() + 10)
+
+    async def past_deadline() -> None:
+        await failing.get("k", deadline=asyncio.get_running_loop().time() - 1)
+
+    with pytest.raises(DeadlineExceededError, match="before the call started"):
+        asyncio.run(past_deadline())
+
+
+def test_a_runtime_built_on_a_faulty_dht_hands_its_faults_to_its_components(swarm) -> None:
+    faulty = FaultyDHT(swarm[1], hang={"get"})
+    runtime = PeerRuntime.acquire(faulty)
+    try:
+        real = PeerRuntime.acquire(swarm[1])  # runtimes are keyed by the DHT-like object itself
+        real.release()
+        assert runtime.dht is faulty and runtime is not real
+        with pytest.raises(DeadlineExceededError):
+            runtime.run(runtime.dht_calls.get("k", timeout=0.3), timeout=5)
+        faulty.hang.clear()
+        faulty.fail.add("get")
+        with pytest.raises(PeerUnreachableError):
+            runtime.run(runtime.dht_calls.get("k", timeout=5), timeout=10)
+    finally:
+        runtime.release()
+
+
+async def _noop(_dht: object, _node: object) -> None:
+    return None
