@@ -17,6 +17,7 @@ from hivemind_ext.errors import MatchmakingError
 from hivemind_ext.optim.algorithms import Algorithm, AlgorithmImpl, GradientAllReduce
 from hivemind_ext.optim.algorithms.qadam import adam_update_, frozen_variance_floor
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
+from hivemind_ext.optim.rounds import RoundDriver, RoundHooks
 
 TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
 
@@ -106,7 +107,7 @@ def test_one_algorithm_object_serves_several_models() -> None:
                 thread.join(120)
             assert not any(thread.is_alive() for thread in threads)
             for name in ("small", "wide"):
-                runners = [opts[peer, name]._runner for peer in range(2)]
+                runners = [opts[peer, name].algorithm_runner for peer in range(2)]
                 assert all(runner is not None and runner.rounds >= 2 for runner in runners), name
                 # each model averaged with the same model on the other peer: identical parameters
                 for a, b in zip(models[0, name].parameters(), models[1, name].parameters(), strict=True):
@@ -183,23 +184,31 @@ class _Averager:
         return self.controls[-1]
 
 
-class _Optimizer:
-    """What the runner uses of the Optimizer; every round fails as if the swarm finished it without us."""
+class _FailEveryRound(RoundHooks):
+    """The round-driver seam: every round fails as if the swarm finished it without us."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(matchmaking_time=0.5, averaging_timeout=5.0)
-        self.grad_compression = None
-        self.tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3))
         self.watched: list[bool] = []
-        self.resyncs = 0
 
-    def wait_for_round(self, control, *, watch_swarm: bool = True) -> None:
+    def before_round(self, control, *, watch_swarm: bool) -> None:
         self.watched.append(watch_swarm)
         raise MatchmakingError("the swarm finished this epoch's round without this peer")
 
-    def resync_after_failed_round(self) -> bool:
+
+class _Swarm:
+    """What the runner reaches through its context (no network): 3 peers, rounds that fail."""
+
+    def __init__(self) -> None:
+        self.hooks = _FailEveryRound()
+        tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3, epoch=0))
+        self.rounds = RoundDriver(
+            tracker=tracker, matchmaking_time=0.5, averaging_timeout=5.0, local_epoch=lambda: 0, hooks=self.hooks
+        )
+        self.resyncs = 0
+
+    def request_resync(self) -> bool:
         self.resyncs += 1
-        return True
+        return self.rounds.request_resync()
 
 
 class _OwnSchedule(AlgorithmImpl):
@@ -214,9 +223,12 @@ class _OwnSchedule(AlgorithmImpl):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("impl_class", [AlgorithmImpl, _OwnSchedule])
 def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algorithm_recovers(impl_class) -> None:
-    optimizer = _Optimizer()
+    optimizer = _Swarm()
     params = [torch.randn(3, 2), torch.randn(4)]
-    impl = impl_class(SimpleNamespace(params=params, optimizer=optimizer))
+    context = SimpleNamespace(
+        params=params, grad_compression=None, rounds=optimizer.rounds, request_resync=optimizer.request_resync
+    )
+    impl = impl_class(context)
     results: list[bool] = []
     impl.on_average_result = lambda succeeded, report=None: results.append(succeeded)
     runner = AlgorithmRunner(impl)
@@ -233,5 +245,5 @@ def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algo
     assert averager.calls[0]["expected_group_size"] == 3
     assert 0.9 <= averager.calls[0]["scheduled_time"] - started <= 1.5
     default = impl_class is AlgorithmImpl
-    assert optimizer.watched == [default]  # epoch-end rounds give up once the swarm moved on
+    assert optimizer.hooks.watched == [default]  # epoch-end rounds give up once the swarm moved on
     assert optimizer.resyncs == (1 if default else 0)

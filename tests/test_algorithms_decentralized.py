@@ -108,7 +108,7 @@ def test_replicas_equal_neighbours_models_and_peers_reach_consensus() -> None:
             initial_spread = max(float((m.weight - models[0].weight).detach().abs().max()) for m in models)
             _run(models, opts, steps=100)
             time.sleep(1.0)  # let the last pushes arrive
-            impls = {o._runner.impl.peer_id: (o._runner.impl, m) for o, m in zip(opts, models, strict=True)}
+            impls = {o.algorithm_impl.peer_id: (o.algorithm_impl, m) for o, m in zip(opts, models, strict=True)}
             for impl, _ in impls.values():
                 assert len(impl.neighbours) == 2
                 for peer, neighbour in impl.neighbours.items():
@@ -150,8 +150,8 @@ def test_dead_neighbour_is_replaced_and_the_others_finish() -> None:
         stop_victim = threading.Event()
         try:
             _run(models, opts, steps=10)  # everyone has a neighbour now
-            victim_id = opts[3]._runner.impl.peer_id
-            followers = [o for o in opts[:3] if victim_id in o._runner.impl.neighbours]
+            victim_id = opts[3].algorithm_impl.peer_id
+            followers = [o for o in opts[:3] if victim_id in o.algorithm_impl.neighbours]
             assert followers, "with a ring of 4 and one neighbour each, somebody follows every peer"
             stop_victim.set()
             opts[3].shutdown()
@@ -168,11 +168,11 @@ def test_dead_neighbour_is_replaced_and_the_others_finish() -> None:
             assert not any(t.is_alive() for t in threads)
             assert time.monotonic() - started < 60
             for follower in followers:
-                impl = follower._runner.impl
+                impl = follower.algorithm_impl
                 assert impl.replaced >= 1
                 assert victim_id not in impl.neighbours and len(impl.neighbours) == 1
                 ((peer, neighbour),) = impl.neighbours.items()
-                other = next(m for o, m in zip(opts, models, strict=True) if o._runner.impl.peer_id == peer)
+                other = next(m for o, m in zip(opts, models, strict=True) if o.algorithm_impl.peer_id == peer)
                 time.sleep(0.5)
                 actual = torch.cat([p.detach().reshape(-1) for p in other.parameters()])
                 torch.testing.assert_close(neighbour.replica, actual, rtol=0, atol=1e-6)
@@ -188,10 +188,10 @@ def test_bad_pushes_are_refused_and_change_nothing() -> None:
         try:
             _run(models, opts, steps=5)
             time.sleep(1.0)  # the last legitimate differences arrive
-            target = opts[0]._runner.impl
+            target = opts[0].algorithm_impl
             ((peer, neighbour),) = target.neighbours.items()
-            sender = next(o._runner.impl for o in opts if o._runner.impl.peer_id == peer)
-            stranger = next(o._runner.impl for o in opts[1:] if o._runner.impl.peer_id != peer)
+            sender = next(o.algorithm_impl for o in opts if o.algorithm_impl.peer_id == peer)
+            stranger = next(o.algorithm_impl for o in opts[1:] if o.algorithm_impl.peer_id != peer)
             before = neighbour.replica.clone()
             expected_seq = neighbour.next_seq
             numel = target.numel

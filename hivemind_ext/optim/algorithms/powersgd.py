@@ -217,7 +217,7 @@ class PowerSGDImpl(AlgorithmImpl):
 
     def compute_p(self, bucket: Bucket) -> None:
         divisor = float(max(self.samples, 1))
-        epoch = self.context.optimizer.local_epoch
+        epoch = self.context.local_epoch
         for index, compressor in self._compressors_of(bucket):
             compressor.begin(self.grad_sums[index] / divisor, epoch)
 

@@ -164,7 +164,7 @@ class QAdamImpl(AlgorithmImpl):
         # what is averaged after warm-up: this peer's momentum, then the swarm's (copied into the state)
         self.momenta = [torch.zeros_like(g) for g in self.mean_grads]
         self._index = {id(t): i for i, t in enumerate(self.momenta)}
-        with context.optimizer.state_lock:
+        with context.state_lock:
             self._ensure_state()
         self.compressing = self.step_count >= self.warmup_steps
 
@@ -224,7 +224,7 @@ class QAdamImpl(AlgorithmImpl):
 
     def reset(self) -> None:
         self.compressing = self.step_count >= self.warmup_steps
-        with self.context.optimizer.state_lock:
+        with self.context.state_lock:
             self._ensure_state()
 
     def on_state_loaded(self) -> None:
