@@ -247,3 +247,64 @@ def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algo
     default = impl_class is AlgorithmImpl
     assert optimizer.hooks.watched == [default]  # epoch-end rounds give up once the swarm moved on
     assert optimizer.resyncs == (1 if default else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# a GradScaler with a custom algorithm (it used to be validated, then ignored)
+
+
+@pytest.mark.timeout(60)
+def test_a_grad_scaler_works_with_a_custom_algorithm() -> None:
+    """Overflowed batches are skipped and the scale is lowered; the unscaled gradients are what the
+    algorithm accumulates and averages."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    scaler = hivemind_ext.GradScaler(device="cpu", init_scale=2.0**8)
+    generator = torch.Generator().manual_seed(2)
+    with local_swarm(1) as (dht,):
+        opt = hivemind_ext.Optimizer(
+            dht=dht,
+            run_id="scaler_with_algorithm",
+            target_batch_size=10_000,  # no epoch ends: the test reads what would be averaged
+            batch_size_per_step=4,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            params=model.parameters(),
+            matchmaking_time=0.5,
+            averaging_timeout=5.0,
+            tracker_opts=TRACKER,
+            algorithm=GenericSync(),
+        )
+        try:
+            x = torch.randn(4, 3, generator=generator)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            expected = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            impl, runner = opt.algorithm_impl, opt.algorithm_runner
+            assert impl is not None and runner is not None and impl.samples == 4
+
+            def what_is_averaged() -> list[torch.Tensor]:
+                tensors = []
+                for bucket in runner.buckets:
+                    bucket.ops[0].run([bucket], runner)  # the Python op before the average: mean gradients
+                    tensors.extend(t.clone() for t in bucket.tensors)
+                return tensors
+
+            for averaged, grad in zip(what_is_averaged(), expected, strict=True):
+                torch.testing.assert_close(averaged, grad)  # unscaled (not 2**8 times larger)
+
+            scale = scaler.get_scale()
+            x = torch.randn(4, 3, generator=generator)
+            scaler.scale(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))).backward()
+            model.weight.grad[0, 0] = math.inf  # an overflow
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            assert scaler.get_scale() < scale  # the scale is lowered
+            assert impl.samples == 4  # the overflowed batch was skipped
+            for averaged, grad in zip(what_is_averaged(), expected, strict=True):
+                torch.testing.assert_close(averaged, grad)
+        finally:
+            opt.shutdown()
