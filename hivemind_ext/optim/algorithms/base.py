@@ -38,6 +38,7 @@ import torch
 
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.optim.config import OptimizerConfig
+from hivemind_ext.optim.grad_accumulator import GradientAccumulator
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.optim.rounds import RoundDriver
 from hivemind_ext.optim.training_state import TrainingState
@@ -224,10 +225,27 @@ class AlgorithmImpl:
     def __init__(self, context: AlgorithmContext) -> None:
         self.context = context
         self.samples = 0  # samples accumulated since the last communication
-        params = context.params
-        self.grad_sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]  # sum of batch_size * grad
-        self.mean_grads = [torch.zeros_like(p, dtype=torch.float32) for p in params]  # what is averaged
-        self._sum_of = {id(mean): total for mean, total in zip(self.mean_grads, self.grad_sums, strict=True)}
+        self._accumulator: GradientAccumulator | None = None
+        self._mean_grads: list[torch.Tensor] | None = None
+        self._index_of_mean: dict[int, int] = {}
+
+    @property
+    def accumulator(self) -> GradientAccumulator:
+        """The library's one gradient accumulator (finite check, ``reuse_grad_buffers``), created on
+        first use: algorithms that never accumulate (DiLoCo, AsyncModelAverage) allocate nothing."""
+        if self._accumulator is None:
+            config = getattr(self.context, "config", None)
+            reuse = bool(getattr(config, "reuse_grad_buffers", False))
+            self._accumulator = GradientAccumulator(self.context.params, reuse_grad_buffers=reuse)
+        return self._accumulator
+
+    @property
+    def mean_grads(self) -> list[torch.Tensor]:
+        """Float32 buffers the default path communicates: the local, then the swarm's, mean gradients."""
+        if self._mean_grads is None:
+            self._mean_grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.context.params]
+            self._index_of_mean = {id(t): i for i, t in enumerate(self._mean_grads)}
+        return self._mean_grads
 
     # ----- what and how
 
@@ -257,10 +275,9 @@ class AlgorithmImpl:
     # ----- when, and the callbacks
 
     def on_backward(self, batch_size: int) -> None:
-        """Called by ``step()`` after the user's backward (default: accumulate the gradients)."""
-        for param, total in zip(self.context.params, self.grad_sums, strict=True):
-            if param.grad is not None:
-                total.add_(param.grad.detach().float(), alpha=float(batch_size))
+        """Called by ``step()`` after the user's backward (default: accumulate the gradients; a batch
+        whose gradients hold NaN or Inf is refused with NonFiniteTensorError, as on the standard path)."""
+        self.accumulator.accumulate(batch_size)
         self.samples += batch_size
 
     def should_communicate(self) -> bool:
@@ -273,7 +290,8 @@ class AlgorithmImpl:
 
     def on_optimizer_step(self) -> None:
         """Called after ``optimizer_step`` (default: start a new accumulation)."""
-        torch._foreach_zero_(self.grad_sums)
+        if self._accumulator is not None:
+            self._accumulator.reset()
         self.samples = 0
 
     def need_reset(self) -> bool:
@@ -299,10 +317,9 @@ class AlgorithmImpl:
     # ----- helpers for subclasses
 
     def load_mean_gradients(self, bucket: Bucket) -> None:
-        """A Python operation: the bucket's mean-gradient buffers = accumulated sums / samples."""
-        divisor = float(max(self.samples, 1))
+        """A Python operation: the bucket's mean-gradient buffers = the accumulator's mean gradients."""
         for tensor in bucket.tensors:
-            torch.div(self._sum_of[id(tensor)], divisor, out=tensor)
+            self.accumulator.mean_into(self._index_of_mean[id(tensor)], tensor)
 
 
 class Algorithm(abc.ABC):

@@ -107,7 +107,6 @@ class DiLoCoImpl(AlgorithmImpl):
 
     def __init__(self, context: AlgorithmContext, algorithm: DiLoCo) -> None:
         super().__init__(context)
-        self.grad_sums, self.mean_grads, self._sum_of = [], [], {}  # the default path's buffers: unused
         self.algorithm = algorithm
         self._lock = context.state_lock
         self._state = context.state

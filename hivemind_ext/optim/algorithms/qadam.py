@@ -206,12 +206,11 @@ class QAdamImpl(AlgorithmImpl):
         self._ensure_state()  # the user may have loaded a state dict without them
         state = self.context.torch_optimizer.state
         groups = self._group_of
-        divisor = float(max(self.samples, 1))
         for tensor in bucket.tensors:
             index = self._index[id(tensor)]
             beta1 = float(groups[index]["betas"][0])
             momentum = state[self.opt_params[index]]["exp_avg"].to(tensor.device, torch.float32)
-            torch.lerp(self.grad_sums[index] / divisor, momentum, beta1, out=tensor)
+            torch.lerp(self.accumulator.mean(index), momentum, beta1, out=tensor)
 
     @property
     def _group_of(self) -> list[dict[str, Any]]:
