@@ -13,7 +13,10 @@ swarm processing ``target_batch_size`` samples together. Per call of ``step()``:
    ``average_state_every`` epochs average the parameters (in the background by default).
 
 Peers whose round fails proceed with their local gradients, as in hivemind, and download the
-state from their peers at their next step, which brings their parameters back in line.
+state from their peers at their next step, which brings their parameters back in line. When rounds
+are scheduled, whom they expect, how long to wait and what a missed or failed round means are
+decided in :mod:`hivemind_ext.optim.rounds`, whose :class:`~hivemind_ext.optim.rounds.RoundDriver`
+(``Optimizer.rounds``) also waits on every round, this Optimizer's and its algorithm's.
 """
 
 from __future__ import annotations
