@@ -62,8 +62,8 @@ class PeriodicAveragingImpl(AlgorithmImpl):
 
     def on_backward(self, batch_size: int) -> None:
         # a local step with this peer's gradients (the optimizer's lock keeps state downloads out)
-        with self.context.optimizer.state_lock:
-            self.context.optimizer.state_manager.apply_gradients([p.grad for p in self.context.params])
+        with self.context.state_lock:
+            self.context.state.apply_gradients([p.grad for p in self.context.params])
         self.samples += batch_size
         self.local_steps += 1
 

@@ -221,7 +221,7 @@ def run_swarm(
             for opt in optimizers:
                 # a delayed optimizer step is published at the next step() call, which a stopped
                 # trainer never makes: publish it here, then apply the last state averaging round
-                opt._collect_background_work(wait=True)
+                opt.collect_background_work(wait=True)
                 opt.state_averager.apply_round(wait=opt.config.averaging_timeout + opt.config.matchmaking_time)
         return SwarmRun(logs, models, optimizers, initial_params, collector.messages, seconds)
     finally:

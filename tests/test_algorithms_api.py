@@ -17,6 +17,7 @@ from hivemind_ext.errors import MatchmakingError
 from hivemind_ext.optim.algorithms import Algorithm, AlgorithmImpl, GradientAllReduce
 from hivemind_ext.optim.algorithms.qadam import adam_update_, frozen_variance_floor
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
+from hivemind_ext.optim.rounds import RoundDriver, RoundHooks
 
 TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
 
@@ -106,7 +107,7 @@ def test_one_algorithm_object_serves_several_models() -> None:
                 thread.join(120)
             assert not any(thread.is_alive() for thread in threads)
             for name in ("small", "wide"):
-                runners = [opts[peer, name]._runner for peer in range(2)]
+                runners = [opts[peer, name].algorithm_runner for peer in range(2)]
                 assert all(runner is not None and runner.rounds >= 2 for runner in runners), name
                 # each model averaged with the same model on the other peer: identical parameters
                 for a, b in zip(models[0, name].parameters(), models[1, name].parameters(), strict=True):
@@ -183,23 +184,31 @@ class _Averager:
         return self.controls[-1]
 
 
-class _Optimizer:
-    """What the runner uses of the Optimizer; every round fails as if the swarm finished it without us."""
+class _FailEveryRound(RoundHooks):
+    """The round-driver seam: every round fails as if the swarm finished it without us."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(matchmaking_time=0.5, averaging_timeout=5.0)
-        self.grad_compression = None
-        self.tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3))
         self.watched: list[bool] = []
-        self.resyncs = 0
 
-    def wait_for_round(self, control, *, watch_swarm: bool = True) -> None:
+    def before_round(self, control, *, watch_swarm: bool) -> None:
         self.watched.append(watch_swarm)
         raise MatchmakingError("the swarm finished this epoch's round without this peer")
 
-    def resync_after_failed_round(self) -> bool:
+
+class _Swarm:
+    """What the runner reaches through its context (no network): 3 peers, rounds that fail."""
+
+    def __init__(self) -> None:
+        self.hooks = _FailEveryRound()
+        tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3, epoch=0))
+        self.rounds = RoundDriver(
+            tracker=tracker, matchmaking_time=0.5, averaging_timeout=5.0, local_epoch=lambda: 0, hooks=self.hooks
+        )
+        self.resyncs = 0
+
+    def request_resync(self) -> bool:
         self.resyncs += 1
-        return True
+        return self.rounds.request_resync()
 
 
 class _OwnSchedule(AlgorithmImpl):
@@ -214,9 +223,12 @@ class _OwnSchedule(AlgorithmImpl):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("impl_class", [AlgorithmImpl, _OwnSchedule])
 def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algorithm_recovers(impl_class) -> None:
-    optimizer = _Optimizer()
+    optimizer = _Swarm()
     params = [torch.randn(3, 2), torch.randn(4)]
-    impl = impl_class(SimpleNamespace(params=params, optimizer=optimizer))
+    context = SimpleNamespace(
+        params=params, grad_compression=None, rounds=optimizer.rounds, request_resync=optimizer.request_resync
+    )
+    impl = impl_class(context)
     results: list[bool] = []
     impl.on_average_result = lambda succeeded, report=None: results.append(succeeded)
     runner = AlgorithmRunner(impl)
@@ -233,5 +245,66 @@ def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algo
     assert averager.calls[0]["expected_group_size"] == 3
     assert 0.9 <= averager.calls[0]["scheduled_time"] - started <= 1.5
     default = impl_class is AlgorithmImpl
-    assert optimizer.watched == [default]  # epoch-end rounds give up once the swarm moved on
+    assert optimizer.hooks.watched == [default]  # epoch-end rounds give up once the swarm moved on
     assert optimizer.resyncs == (1 if default else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# a GradScaler with a custom algorithm (it used to be validated, then ignored)
+
+
+@pytest.mark.timeout(60)
+def test_a_grad_scaler_works_with_a_custom_algorithm() -> None:
+    """Overflowed batches are skipped and the scale is lowered; the unscaled gradients are what the
+    algorithm accumulates and averages."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    scaler = hivemind_ext.GradScaler(device="cpu", init_scale=2.0**8)
+    generator = torch.Generator().manual_seed(2)
+    with local_swarm(1) as (dht,):
+        opt = hivemind_ext.Optimizer(
+            dht=dht,
+            run_id="scaler_with_algorithm",
+            target_batch_size=10_000,  # no epoch ends: the test reads what would be averaged
+            batch_size_per_step=4,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            params=model.parameters(),
+            matchmaking_time=0.5,
+            averaging_timeout=5.0,
+            tracker_opts=TRACKER,
+            algorithm=GenericSync(),
+        )
+        try:
+            x = torch.randn(4, 3, generator=generator)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            expected = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            impl, runner = opt.algorithm_impl, opt.algorithm_runner
+            assert impl is not None and runner is not None and impl.samples == 4
+
+            def what_is_averaged() -> list[torch.Tensor]:
+                tensors = []
+                for bucket in runner.buckets:
+                    bucket.ops[0].run([bucket], runner)  # the Python op before the average: mean gradients
+                    tensors.extend(t.clone() for t in bucket.tensors)
+                return tensors
+
+            for averaged, grad in zip(what_is_averaged(), expected, strict=True):
+                torch.testing.assert_close(averaged, grad)  # unscaled (not 2**8 times larger)
+
+            scale = scaler.get_scale()
+            x = torch.randn(4, 3, generator=generator)
+            scaler.scale(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))).backward()
+            model.weight.grad[0, 0] = math.inf  # an overflow
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            assert scaler.get_scale() < scale  # the scale is lowered
+            assert impl.samples == 4  # the overflowed batch was skipped
+            for averaged, grad in zip(what_is_averaged(), expected, strict=True):
+                torch.testing.assert_close(averaged, grad)
+        finally:
+            opt.shutdown()

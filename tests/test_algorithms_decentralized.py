@@ -123,7 +123,7 @@ def test_replicas_equal_neighbours_models_and_peers_reach_consensus() -> None:
                 30,
                 message="the last pushes to arrive",
             )
-            impls = {o._runner.impl.peer_id: (o._runner.impl, m) for o, m in zip(opts, models, strict=True)}
+            impls = {o.algorithm_impl.peer_id: (o.algorithm_impl, m) for o, m in zip(opts, models, strict=True)}
             for impl, _ in impls.values():
                 assert len(impl.neighbours) == 2
                 for peer, neighbour in impl.neighbours.items():
@@ -165,8 +165,8 @@ def test_dead_neighbour_is_replaced_and_the_others_finish() -> None:
         stop_victim = threading.Event()
         try:
             _run(models, opts, steps=10)  # everyone has a neighbour now
-            victim_id = opts[3]._runner.impl.peer_id
-            followers = [o for o in opts[:3] if victim_id in o._runner.impl.neighbours]
+            victim_id = opts[3].algorithm_impl.peer_id
+            followers = [o for o in opts[:3] if victim_id in o.algorithm_impl.neighbours]
             assert followers, "with a ring of 4 and one neighbour each, somebody follows every peer"
             stop_victim.set()
             opts[3].shutdown()
@@ -183,11 +183,11 @@ def test_dead_neighbour_is_replaced_and_the_others_finish() -> None:
             assert not any(t.is_alive() for t in threads)
             assert time.monotonic() - started < 60
             for follower in followers:
-                impl = follower._runner.impl
+                impl = follower.algorithm_impl
                 assert impl.replaced >= 1
                 assert victim_id not in impl.neighbours and len(impl.neighbours) == 1
                 ((peer, neighbour),) = impl.neighbours.items()
-                other = next(m for o, m in zip(opts, models, strict=True) if o._runner.impl.peer_id == peer)
+                other = next(m for o, m in zip(opts, models, strict=True) if o.algorithm_impl.peer_id == peer)
                 wait_for(lambda n=neighbour, m=other: _caught_up(n, m), 10, message="the last differences to arrive")
                 actual = torch.cat([p.detach().reshape(-1) for p in other.parameters()])
                 torch.testing.assert_close(neighbour.replica, actual, rtol=0, atol=1e-6)
@@ -202,12 +202,12 @@ def test_bad_pushes_are_refused_and_change_nothing() -> None:
         models, opts = _make_swarm(dhts, DecentralizedSGD(num_neighbours=1, maintenance_period=0.1), seeds=range(3))
         try:
             _run(models, opts, steps=5)
-            target = opts[0]._runner.impl
+            target = opts[0].algorithm_impl
             ((peer, neighbour),) = target.neighbours.items()
             sender_model = next(m for d, m in zip(dhts, models, strict=True) if d.peer_id.to_base58() == peer)
             wait_for(lambda: _caught_up(neighbour, sender_model), 10, message="the last legitimate differences")
-            sender = next(o._runner.impl for o in opts if o._runner.impl.peer_id == peer)
-            stranger = next(o._runner.impl for o in opts[1:] if o._runner.impl.peer_id != peer)
+            sender = next(o.algorithm_impl for o in opts if o.algorithm_impl.peer_id == peer)
+            stranger = next(o.algorithm_impl for o in opts[1:] if o.algorithm_impl.peer_id != peer)
             before = neighbour.replica.clone()
             expected_seq = neighbour.next_seq
             numel = target.numel

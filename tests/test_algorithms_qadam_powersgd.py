@@ -45,8 +45,9 @@ def one_torch_thread() -> Any:
 
 
 def fake_context(params: Sequence[torch.Tensor], torch_optimizer: torch.optim.Optimizer | None = None) -> Any:
-    optimizer = SimpleNamespace(state_lock=threading.RLock(), local_epoch=0)
-    return SimpleNamespace(params=list(params), torch_optimizer=torch_optimizer, optimizer=optimizer)
+    return SimpleNamespace(
+        params=list(params), torch_optimizer=torch_optimizer, state_lock=threading.RLock(), local_epoch=0
+    )
 
 
 def build_buckets(impl: Any) -> list[Bucket]:
@@ -425,7 +426,7 @@ def make_peer(index: int, dht: hivemind.DHT, run_id: str, algorithm: Any) -> Pee
 
 def train(peer: Peer, until_epoch: int, die_at_epoch: int | None = None) -> None:
     generator = torch.Generator().manual_seed(100 + peer.index)
-    runner = peer.opt._runner
+    runner = peer.opt.algorithm_runner
     try:
         while peer.opt.local_epoch < until_epoch:
             if die_at_epoch is not None and peer.opt.local_epoch >= die_at_epoch:
@@ -504,7 +505,7 @@ def test_four_peers_reach_the_loss_of_synchronous_averaging(swarm: list[hivemind
     assert loss <= ratio * sync_loss + slack, (name, loss, sync_loss)
     assert loss < 0.5 * initial, (name, loss, initial)
     assert all(peer.opt.local_epoch >= EPOCHS for peer in peers)
-    runner = peers[0].opt._runner
+    runner = peers[0].opt.algorithm_runner
     assert runner is not None and runner.rounds >= EPOCHS * (2 if name == "powersgd" else 1) // 2
 
 
@@ -533,7 +534,7 @@ def test_a_peer_that_dies_mid_run_does_not_stop_the_others(swarm: list[hivemind.
         assert peers[3].died
         for peer in peers[:3]:
             assert peer.opt.local_epoch >= 6
-            runner = peer.opt._runner
+            runner = peer.opt.algorithm_runner
             assert runner is not None
             # the survivors kept averaging after the death (a survivor whose round with the dead peer
             # failed downloads the state and rejoins the others' rounds)

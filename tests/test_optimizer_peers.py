@@ -279,7 +279,7 @@ def test_busy_donors_never_make_a_newcomer_time_out() -> None:
             message="the last state round",
         )
         busy.opt.state_averager.begin_round(timeout=60.0)
-        with held(busy.opt._state_lock, 60.0):
+        with held(busy.opt.state_lock, 60.0):
             newcomer_model = make_model(seed=7)
             newcomer = make_optimizer(dhts[2], newcomer_model, "busy", load_state_timeout=60.0)
             optimizers.append(newcomer)
@@ -297,7 +297,7 @@ def test_busy_donors_never_make_a_newcomer_time_out() -> None:
 
             # now every donor is busy for a while: the newcomer retries (or is served a snapshot taken
             # before) and loads soon after, long before its own load_state_timeout
-            with held(free.opt._state_lock, 3.0):
+            with held(free.opt.state_lock, 3.0):
                 late_model = make_model(seed=8)
                 late = make_optimizer(dhts[3], late_model, "busy", load_state_timeout=60.0)
                 optimizers.append(late)
@@ -440,14 +440,14 @@ def test_a_peer_that_stops_stepping_in_a_scheduled_group_never_blocks_the_others
         )
         others.start()
         generator = torch.Generator().manual_seed(5)
-        while staller.opt._scheduled_grads is None or staller.opt._scheduled_grads.done():
+        while staller.opt.scheduled_round is None or staller.opt.scheduled_round.done():
             assert time.monotonic() < deadline, "the staller never scheduled a round"
             x = torch.randn(BATCH_SIZE, 16, generator=generator)
             ((staller.model(x) - 1) ** 2).mean().backward()
             staller.opt.step()
             staller.opt.zero_grad()
             time.sleep(0.02)
-        held = staller.opt._scheduled_grads
+        held = staller.opt.scheduled_round
         wait_for(
             lambda: held.stage == AveragingStage.AWAITING_TRIGGER or held.done(), 10, message="the staller's group"
         )

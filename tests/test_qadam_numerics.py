@@ -34,9 +34,7 @@ def one_torch_thread() -> Any:
 
 def make_peer(params: Sequence[torch.Tensor], algorithm: QAdam, **adam: Any) -> Peer:
     torch_opt = torch.optim.Adam(params, **adam)
-    context = SimpleNamespace(
-        params=list(params), torch_optimizer=torch_opt, optimizer=SimpleNamespace(state_lock=threading.RLock())
-    )
+    context = SimpleNamespace(params=list(params), torch_optimizer=torch_opt, state_lock=threading.RLock())
     impl = algorithm.reify(context)  # type: ignore[arg-type]
     return impl, build_buckets(impl)
 

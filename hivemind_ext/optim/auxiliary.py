@@ -23,7 +23,10 @@ from hivemind.utils import get_dht_time
 from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.errors import HivemindExtError
+from hivemind_ext.optim.config import averager_options
+from hivemind_ext.optim.keys import grad_prefix, progress_prefix
 from hivemind_ext.optim.progress import ProgressTracker
+from hivemind_ext.optim.rounds import next_epoch, plan_round, should_prepare_round
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +69,23 @@ class AuxiliaryPeer:
             self.local_epoch = progress.epoch  # the swarm moved on without us
         self.tracker.report_local_progress(self.local_epoch, 0)
         now = get_dht_time()
-        if self._control is None and self.tracker.estimated_next_update_time - now <= self.matchmaking_time:
-            scheduled = max(self.tracker.estimated_next_update_time, now)
+        eta = self.tracker.estimated_next_update_time
+        if self._control is None and should_prepare_round(now, eta, self.matchmaking_time):
+            # the trainers' rule for the round's time (they expect no one before their first round either)
+            plan = plan_round(
+                now, matchmaking_time=self.matchmaking_time, averaging_timeout=self.averaging_timeout, eta=eta
+            )
             # the base class's step: a GradientAverager (Optimizer(auxiliary=True)) overrides step() with
             # gradient-accumulation semantics that take no require_trigger
             control = DecentralizedAverager.step(
                 self.averager,
-                scheduled_time=scheduled,
-                timeout=self.averaging_timeout,
+                scheduled_time=plan.scheduled_time,
+                timeout=plan.timeout(now),
                 wait=False,
                 require_trigger=True,
             )
-            assert isinstance(control, StepControl)
+            if not isinstance(control, StepControl):
+                raise HivemindExtError("a step with wait=False must return its StepControl")
             self._control = control
         control = self._control
         if control is None:
@@ -92,7 +100,7 @@ class AuxiliaryPeer:
                 logger.log(self.status_loglevel, f"helped average the gradients of epoch {self.local_epoch}")
             except HivemindExtError as e:
                 logger.log(self.status_loglevel, f"an averaging round failed without us: {e}")
-            self.local_epoch = max(self.local_epoch + 1, self.tracker.global_progress.epoch)
+            self.local_epoch = next_epoch(self.local_epoch, self.tracker.global_progress.epoch)
             self.tracker.update_epoch(self.local_epoch)
 
     def shutdown(self) -> None:
@@ -120,8 +128,6 @@ def run_auxiliary_peer(
     A status line (epoch, samples toward the target, peers, rounds helped) goes to ``on_status`` (default:
     this module's logger at INFO) when the swarm's epoch changes, and at least every ``status_interval`` s.
     """
-    from hivemind_ext.optim.optimizer import grad_prefix, progress_prefix
-
     stop = stop if stop is not None else threading.Event()
     report = on_status if on_status is not None else logger.info
     tracker = ProgressTracker(dht, progress_prefix(run_id), target_batch_size, start=True, **(tracker_opts or {}))
@@ -134,9 +140,9 @@ def run_auxiliary_peer(
             start=True,
             prefix=grad_prefix(run_id),
             auxiliary=True,
-            min_matchmaking_time=matchmaking_time,
-            allreduce_timeout=averaging_timeout,
-            **(averager_opts or {}),
+            **averager_options(
+                matchmaking_time=matchmaking_time, allreduce_timeout=averaging_timeout, overrides=averager_opts
+            ),
         )
         peer = AuxiliaryPeer(
             averager=averager, tracker=tracker, matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout

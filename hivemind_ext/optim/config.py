@@ -147,6 +147,40 @@ class OptimizerConfig:
     def averages_gradients(self) -> bool:
         return not self.use_local_updates and not self.auxiliary
 
+    def averager_options(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The keywords of every averager this peer starts (gradients, state, an algorithm's rounds)."""
+        return averager_options(
+            matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            shutdown_timeout=self.shutdown_timeout,
+            overrides=overrides,
+        )
+
+
+def averager_options(
+    *,
+    matchmaking_time: float,
+    allreduce_timeout: float,
+    next_chunk_timeout: float | None = None,
+    client_mode: bool | None = None,
+    shutdown_timeout: float | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``DecentralizedAverager`` keywords from a run's settings; the user's ``averager_opts``
+    (``overrides``) win. The one place where averager options are assembled."""
+    options: dict[str, Any] = dict(min_matchmaking_time=matchmaking_time, allreduce_timeout=allreduce_timeout)
+    for name, value in (
+        ("next_chunk_timeout", next_chunk_timeout),
+        ("client_mode", client_mode),
+        ("shutdown_timeout", shutdown_timeout),
+    ):
+        if value is not None:
+            options[name] = value
+    options.update(overrides or {})
+    return options
+
 
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -53,21 +53,27 @@ class GradientAccumulator:
         """Writes the mean gradient per parameter into ``out`` (zeros when nothing was accumulated)."""
         if len(out) != len(self.params):
             raise ConfigurationError(f"{len(out)} output tensors for {len(self.params)} parameters")
+        for index, target in enumerate(out):
+            self.mean_into(index, target)
+
+    def mean_into(self, index: int, out: torch.Tensor) -> None:
+        """Writes the mean gradient of parameter ``index`` into ``out`` (zeros when nothing was accumulated)."""
         if self.reuse_grad_buffers:
-            divisor = float(max(self.micro_steps, 1))
-            for param, target in zip(self.params, out, strict=True):
-                if param.grad is None:
-                    target.zero_()
-                else:
-                    torch.div(param.grad.detach().to(target.dtype), divisor, out=target)
-            return
-        divisor = float(max(self.samples, 1))
-        if self._buffers is None:
-            for target in out:
-                target.zero_()
-            return
-        for buffer, target in zip(self._buffers, out, strict=True):
-            torch.div(buffer.to(target.device), divisor, out=target)
+            grad = self.params[index].grad
+            if grad is None:
+                out.zero_()
+            else:
+                torch.div(grad.detach().to(out.dtype), float(max(self.micro_steps, 1)), out=out)
+        elif self._buffers is None:
+            out.zero_()
+        else:
+            torch.div(self._buffers[index].to(out.device), float(max(self.samples, 1)), out=out)
+
+    def mean(self, index: int) -> torch.Tensor:
+        """The mean gradient of parameter ``index``, as a new float32 tensor."""
+        out = torch.empty_like(self.params[index], dtype=torch.float32)
+        self.mean_into(index, out)
+        return out
 
     def reset(self) -> None:
         """Starts a new accumulation (zeroes the buffers, or the model's ``.grad`` when reused)."""

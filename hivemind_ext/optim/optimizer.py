@@ -13,7 +13,10 @@ swarm processing ``target_batch_size`` samples together. Per call of ``step()``:
    ``average_state_every`` epochs average the parameters (in the background by default).
 
 Peers whose round fails proceed with their local gradients, as in hivemind, and download the
-state from their peers at their next step, which brings their parameters back in line.
+state from their peers at their next step, which brings their parameters back in line. When rounds
+are scheduled, whom they expect, how long to wait and what a missed or failed round means are
+decided in :mod:`hivemind_ext.optim.rounds`, whose :class:`~hivemind_ext.optim.rounds.RoundDriver`
+(``Optimizer.rounds``) also waits on every round, this Optimizer's and its algorithm's.
 """
 
 from __future__ import annotations
@@ -53,27 +56,17 @@ from hivemind_ext.optim.background import BackgroundWorker
 from hivemind_ext.optim.config import OptimizerConfig
 from hivemind_ext.optim.grad_averager import GradientAverager
 from hivemind_ext.optim.grad_scaler import GradScaler
+from hivemind_ext.optim.keys import grad_prefix, progress_prefix, state_prefix
 from hivemind_ext.optim.param_groups import group_views
 from hivemind_ext.optim.progress import ProgressTracker
+from hivemind_ext.optim.rounds import RoundDriver, RoundHooks, missed_round, next_epoch, should_prepare_round
 from hivemind_ext.optim.state_averager import TrainingStateAverager
 from hivemind_ext.optim.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
 
-ROUND_POLL_SECONDS = 0.1  # while waiting for a gradient round: how often to check the swarm's epoch
 ROUND_FAILURES = (MatchmakingError, AllreduceError, DeadlineExceededError)
-
-
-def grad_prefix(run_id: str) -> str:
-    return f"{run_id}_grad_averager"
-
-
-def state_prefix(run_id: str) -> str:
-    return f"{run_id}_state_averager"
-
-
-def progress_prefix(run_id: str) -> str:
-    return run_id  # the tracker stores under f"{run_id}_progress", as hivemind's does
+__all__ = ["Optimizer", "grad_prefix", "progress_prefix", "state_prefix"]  # the key prefixes live in .keys
 
 
 def _chain(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
@@ -112,7 +105,14 @@ class Optimizer(torch.optim.Optimizer):
     Takes every keyword argument of ``hivemind.Optimizer`` with the same meaning; see the README for
     the list. Differences: ``client_mode=True`` is honoured even when the DHT is not in client mode,
     and ``grad_averager_factory`` must build a :class:`hivemind_ext.optim.GradientAverager`.
+
+    Beyond hivemind's: ``algorithm`` (see :mod:`hivemind_ext.optim.algorithms`) and ``round_hooks``, a
+    :class:`~hivemind_ext.optim.rounds.RoundHooks` called before and after every round this peer
+    waits on (its gradient rounds and its algorithm's): a seam to watch rounds, or to fail one in a test.
     """
+
+    #: GradScaler.step(opt) hands itself to ``step(grad_scaler=...)`` (see hivemind_ext.optim.grad_scaler)
+    steps_with_grad_scaler = True
 
     def __init__(
         self,
@@ -150,6 +150,7 @@ class Optimizer(torch.optim.Optimizer):
         shutdown_timeout: float = 5,
         verbose: bool = False,
         algorithm: Algorithm | None = None,
+        round_hooks: RoundHooks | None = None,
     ) -> None:
         if not isinstance(dht, DHT):
             raise ConfigurationError(f"dht must be a running hivemind.DHT, got {type(dht).__name__}")
@@ -192,6 +193,8 @@ class Optimizer(torch.optim.Optimizer):
         self.grad_compression = grad_compression
         self.averager_opts = dict(averager_opts or {})
         self._runner: AlgorithmRunner | None = None
+        self._aux: AuxiliaryPeer | None = None
+        self.grad_averager: GradientAverager | None = None
         self._epoch_samples = 0  # samples this peer processed in its current epoch (algorithm path)
         self.state_manager = TrainingState(
             optimizer=optimizer,
@@ -225,17 +228,23 @@ class Optimizer(torch.optim.Optimizer):
         except BaseException:
             self.shutdown()
             raise
-        if self._custom_algorithm:
-            assert algorithm is not None
+        #: plans this peer's rounds and waits on them (its gradient rounds and its algorithm's)
+        self.rounds = RoundDriver(
+            tracker=self.tracker,
+            matchmaking_time=config.matchmaking_time,
+            averaging_timeout=config.averaging_timeout,
+            local_epoch=lambda: self.local_epoch,
+            hooks=round_hooks,
+        )
+        if algorithm is not None and self._custom_algorithm:
             try:
-                impl = algorithm.reify(AlgorithmContext(self, next_model_key(algorithm, dht)))
+                impl = algorithm.reify(self._algorithm_context(next_model_key(algorithm, dht)))
                 self._runner = AlgorithmRunner(impl) if not impl.uses_standard_path else None
             except BaseException:
                 self.shutdown()
                 raise
         self._background = BackgroundWorker(f"{run_id}-optimizer")
         self._scheduled_grads: StepControl | None = None
-        self._resync = False  # the last gradient round failed: download the state at the next step
         self._first_step = True
         self.last_epoch_samples = 0  # samples averaged in this peer's last epoch (its group's total)
         self.last_round_samples: dict[str, int] = {}  # the same, per group member (base58 peer id)
@@ -267,15 +276,7 @@ class Optimizer(torch.optim.Optimizer):
         except TypeError as e:
             raise ConfigurationError(f"tracker_opts: {e}") from e
         self._started.append(self.tracker)
-        common = dict(
-            start=True,
-            min_matchmaking_time=config.matchmaking_time,
-            allreduce_timeout=config.allreduce_timeout,
-            next_chunk_timeout=config.next_chunk_timeout,
-            client_mode=config.client_mode,
-            shutdown_timeout=config.shutdown_timeout,
-        )
-        common.update(averager_opts)
+        common = dict(start=True, **config.averager_options(averager_opts))
         try:
             self.state_averager = TrainingStateAverager(
                 self.state_manager,
@@ -288,8 +289,6 @@ class Optimizer(torch.optim.Optimizer):
                 **common,
             )
             self._started.append(self.state_averager)
-            self.grad_averager: GradientAverager | None = None
-            self._aux: AuxiliaryPeer | None = None
             if config.auxiliary:
                 aux_averager = GradientAverager(
                     [], dht=self.dht, prefix=grad_prefix(config.run_id), auxiliary=True, **common
@@ -317,6 +316,29 @@ class Optimizer(torch.optim.Optimizer):
                 self._started.append(self.grad_averager)
         except TypeError as e:
             raise ConfigurationError(f"averager_opts: {e}") from e
+
+    def _algorithm_context(self, key: str) -> AlgorithmContext:
+        """What an algorithm reaches the swarm through (it never calls back into this Optimizer)."""
+        return AlgorithmContext(
+            key=key,
+            run_id=self.run_id,
+            dht=self.dht,
+            config=self.config,
+            state=self.state_manager,
+            state_lock=self._state_lock,
+            tracker=self.tracker,
+            rounds=self.rounds,
+            averager_options=self.config.averager_options(self.averager_opts),
+            grad_compression=self.grad_compression,
+            downloader=self.load_state_from_peers,
+            epoch_getter=lambda: self.local_epoch,
+        )
+
+    def _gradients(self) -> GradientAverager:
+        """The gradient averager of the synchronous path (only that path calls this)."""
+        if self.grad_averager is None:
+            raise HivemindExtError("this optimizer averages no gradients (local updates, an algorithm, auxiliary)")
+        return self.grad_averager
 
     # ----- what torch.optim.Optimizer users read
 
@@ -446,6 +468,8 @@ class Optimizer(torch.optim.Optimizer):
             self._discard_local_gradients()
             return loss
         if self._runner is not None:
+            if grad_scaler is not None and self._skip_overflowed_batch(grad_scaler):
+                return loss
             self._algorithm_step(batch_size)
             return loss
         if self.config.use_local_updates:
@@ -455,8 +479,7 @@ class Optimizer(torch.optim.Optimizer):
         else:
             if not self._accumulate(batch_size, grad_scaler):
                 return loss
-            assert self.grad_averager is not None
-            samples = self.grad_averager.local_samples_accumulated
+            samples = self._gradients().local_samples_accumulated
         self.tracker.report_local_progress(self.local_epoch, samples)
         if self._epoch_is_over():
             self._end_epoch(grad_scaler)
@@ -464,22 +487,30 @@ class Optimizer(torch.optim.Optimizer):
             self._maybe_schedule_round()
         return loss
 
+    def _skip_overflowed_batch(self, grad_scaler: GradScaler) -> bool:
+        """Unscales the model's gradients in place; True if they overflowed (the batch is then skipped
+        and the user's ``scaler.update()`` lowers the scale)."""
+        if self.config.reuse_grad_buffers and self._runner is not None:
+            raise ConfigurationError("a GradScaler with an algorithm needs reuse_grad_buffers=False")
+        if grad_scaler.unscale_and_check(self):
+            logger.log(self.status_loglevel, "gradients overflowed: skipping this batch (the scale is lowered)")
+            return True
+        return False
+
     def _accumulate(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
-        assert self.grad_averager is not None
+        averager = self._gradients()
         if grad_scaler is not None:
             if self.config.reuse_grad_buffers:
                 grad_scaler.defer()  # .grad holds a sum of scaled gradients until the epoch ends
-                self.grad_averager.accumulator.accumulate(batch_size, check_finite=False)
+                averager.accumulator.accumulate(batch_size, check_finite=False)
                 return True
-            if grad_scaler.unscale_and_check(self):
-                logger.log(self.status_loglevel, "gradients overflowed: skipping this batch (the scale is lowered)")
+            if self._skip_overflowed_batch(grad_scaler):
                 return False
-        self.grad_averager.accumulate_grads_(batch_size)
+        averager.accumulate_grads_(batch_size)
         return True
 
     def _local_update(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
-        if grad_scaler is not None and grad_scaler.unscale_and_check(self):
-            logger.log(self.status_loglevel, "gradients overflowed: skipping this batch (the scale is lowered)")
+        if grad_scaler is not None and self._skip_overflowed_batch(grad_scaler):
             return False
         grads = [p.grad for p in self.state_manager.main_params]
         with self._state_lock:
@@ -504,26 +535,16 @@ class Optimizer(torch.optim.Optimizer):
             return  # the previous round still runs in the background: its group tells whom to expect next
         now = get_dht_time()
         eta = self.tracker.estimated_next_update_time
-        if eta - now > self.config.matchmaking_time:
+        if not should_prepare_round(now, eta, self.config.matchmaking_time):
             return
-        # the group forms as soon as every expected peer is looking, else at the scheduled time with
-        # whoever is: late enough that peers that entered this epoch late are still in
-        expected = self._expected_group_size()
-        scheduled = max(eta, now) + self.config.matchmaking_time * (2 if expected else 1)
-        logger.log(self.status_loglevel, f"pre-scheduling the gradient round in {scheduled - now:.2f} s")
+        report = self.grad_averager.last_round
+        plan = self.rounds.plan(eta=eta, last_group_size=report.group_size if report is not None else None)
+        logger.log(self.status_loglevel, f"pre-scheduling the gradient round in {plan.scheduled_time - now:.2f} s")
         self._scheduled_grads = self.grad_averager.schedule_step(
-            scheduled_time=scheduled,
-            timeout=self.config.averaging_timeout + (scheduled - now),
-            expected_group_size=expected,
+            scheduled_time=plan.scheduled_time,
+            timeout=plan.timeout(now),
+            expected_group_size=plan.expected_group_size,
         )
-
-    def _expected_group_size(self) -> int | None:
-        """How many peers the next gradient round should have: the last round's group, or more if the
-        tracker sees more peers now. None before the first round (the tracker's count may be short)."""
-        report = self.grad_averager.last_round if self.grad_averager is not None else None
-        if report is None or report.group_size < 2:
-            return None
-        return max(report.group_size, self.tracker.global_progress.num_peers)
 
     # ----- the end of an epoch
 
@@ -546,17 +567,27 @@ class Optimizer(torch.optim.Optimizer):
                 self._average_and_step(control, grad_scaler, then=begin_state_round)
         elif begin_state_round is not None:
             begin_state_round()
-        next_epoch = self._next_epoch()
-        with self._state_lock:
-            self.state_manager.set_epoch(next_epoch)
+        apply_state_round = None
         if average_state and not self.config.delay_state_averaging and not self._background.pending:
-            self.state_averager.apply_round(wait=self.config.averaging_timeout + self.config.matchmaking_time + 1.0)
-        self._announce_epoch(next_epoch)
+            wait = self.config.averaging_timeout + self.config.matchmaking_time + 1.0
+            apply_state_round = lambda: self.state_averager.apply_round(wait=wait)  # noqa: E731
+        self._advance_epoch(before_announcing=apply_state_round)
         self.blocked_seconds += time.perf_counter() - started
 
     def _next_epoch(self) -> int:
         """The epoch this peer enters when its current one ends (the swarm's, if that is further)."""
-        return max(self.local_epoch + 1, self.tracker.global_progress.epoch)
+        return next_epoch(self.local_epoch, self.tracker.global_progress.epoch)
+
+    def _advance_epoch(self, *, before_announcing: Callable[[], Any] | None = None) -> int:
+        """The one place where a training peer's epoch moves forward (the LR scheduler steps with it);
+        ``before_announcing`` runs once the epoch is set, before the swarm hears of it."""
+        epoch = self._next_epoch()
+        with self._state_lock:
+            self.state_manager.set_epoch(epoch)
+        if before_announcing is not None:
+            before_announcing()
+        self._announce_epoch(epoch)
+        return epoch
 
     def _announce_epoch(self, epoch: int) -> None:
         """Tells the swarm this peer's epoch: its progress record, and the version its state is shared as."""
@@ -568,12 +599,11 @@ class Optimizer(torch.optim.Optimizer):
     ) -> None:
         """This epoch's gradient round (or a solo step), then the optimizer step, now or in the background;
         ``then`` runs right after the optimizer step (in the background job for delayed steps)."""
-        assert self.grad_averager is not None
         config = self.config
         found_inf = grad_scaler is not None and config.reuse_grad_buffers and grad_scaler.unscale_and_check(self)
         if found_inf:
             logger.log(self.status_loglevel, "this epoch's gradients overflowed: contributing nothing")
-            self.grad_averager.reset_accumulated_grads_()
+            self._gradients().reset_accumulated_grads_()
         if self._alone(control):
             self._step_alone(control, found_inf=found_inf)
             return  # alone: no state round either
@@ -594,20 +624,24 @@ class Optimizer(torch.optim.Optimizer):
     def _swarm_averaged_without_us(self, control: StepControl | None) -> bool:
         """Another peer already finished this epoch's round and this one never found its group: a new
         search could only wait out ``averaging_timeout``."""
-        if self.config.delay_grad_averaging or self.tracker.global_progress.epoch <= self.local_epoch:
-            return False  # (with delayed averaging, peers move to the next epoch before their round ends)
-        return control is None or control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+        return missed_round(
+            searching=None
+            if control is None
+            else control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP),
+            swarm_epoch=self.tracker.global_progress.epoch,
+            local_epoch=self.local_epoch,
+            rounds_overlap_epochs=self.config.delay_grad_averaging,
+        )
 
     def _skip_round(self, control: StepControl | None) -> None:
-        assert self.grad_averager is not None
         logger.warning(
             f"the swarm averaged epoch {self.local_epoch} without this peer (it was late): "
             "dropping its gradients and downloading the state from peers"
         )
         if control is not None and not control.done():
             control.cancel()
-        self.grad_averager.reset_accumulated_grads_()
-        self._resync = True
+        self._gradients().reset_accumulated_grads_()  # after_failed_round(missed=True): no step, resync
+        self.rounds.request_resync(missed=True)
 
     def _alone(self, control: StepControl | None) -> bool:
         """No other peer reports progress and none started this round: a round could only time out."""
@@ -622,13 +656,13 @@ class Optimizer(torch.optim.Optimizer):
     def _step_alone(self, control: StepControl | None, *, found_inf: bool) -> None:
         """A solo peer steps on its own mean gradient at once, as hivemind does, instead of waiting
         ``averaging_timeout`` for a group that cannot form."""
-        assert self.grad_averager is not None
+        averager = self._gradients()
         if control is not None and not control.done():
             control.cancel()
-        samples = 0 if found_inf else self.grad_averager.local_samples_accumulated
+        samples = 0 if found_inf else averager.local_samples_accumulated
         logger.log(self.status_loglevel, "no other peers: stepping with local gradients")
-        self.grad_averager.load_accumulators_into_averager_()
-        self.grad_averager.reset_accumulated_grads_()
+        averager.load_accumulators_into_averager_()
+        averager.reset_accumulated_grads_()
         self.last_round_samples = {str(self.dht.peer_id): samples}
         self.last_epoch_samples = samples
         if found_inf:
@@ -639,27 +673,26 @@ class Optimizer(torch.optim.Optimizer):
             self._apply_averaged_gradients(publish=True)
 
     def _begin_gradient_round(self, control: StepControl | None, *, zero_weight: bool) -> StepControl:
-        assert self.grad_averager is not None
-        samples = self.grad_averager.local_samples_accumulated
-        if control is None:
-            control = self.grad_averager.schedule_step(
-                scheduled_time=get_dht_time() + self.config.matchmaking_time,
-                timeout=self.config.averaging_timeout,
-            )
+        averager = self._gradients()
+        samples = averager.local_samples_accumulated
+        if control is None:  # none was pre-scheduled: whoever is looking within a matchmaking time
+            now = get_dht_time()
+            plan = self.rounds.plan(expect_peers=False)
+            control = averager.schedule_step(scheduled_time=plan.scheduled_time, timeout=plan.timeout(now))
         with contextlib.suppress(RuntimeError):  # too late to change the weight: the round has begun
             control.weight = 0.0 if zero_weight else float(samples)
         # groupmates learn how many samples each member averaged (read back in _wait_gradient_round);
         # the round packs control.gather only when it starts, after the trigger below
         control.gather = {"samples": 0 if zero_weight else int(samples), "epoch": self.local_epoch}
-        self.grad_averager.step(control=control, weight=0.0 if zero_weight else float(samples), wait=False)
+        averager.step(control=control, weight=0.0 if zero_weight else float(samples), wait=False)
         return control
 
     def _wait_gradient_round(self, control: StepControl, *, in_background: bool = False) -> bool:
         try:
-            gathered = self.wait_for_round(control, watch_swarm=not in_background)
+            gathered = self.rounds.wait(control, watch_swarm=not in_background)
         except ROUND_FAILURES as e:
             logger.warning(f"averaging gradients failed ({e}): proceeding with local gradients")
-            self.resync_after_failed_round()
+            self.rounds.request_resync()
             return False
         except (
             TimeoutError,
@@ -667,9 +700,8 @@ class Optimizer(torch.optim.Optimizer):
             concurrent.futures.CancelledError,
             HivemindExtError,
         ) as e:
-            control.cancel()
             logger.warning(f"averaging gradients did not finish ({e!r}): proceeding with local gradients")
-            self.resync_after_failed_round()
+            self.rounds.request_resync()
             return False
         report = self.grad_averager.last_round if self.grad_averager is not None else None
         peers = report.group_size if report is not None else len(gathered or {})
@@ -680,33 +712,17 @@ class Optimizer(torch.optim.Optimizer):
             # groupmates averaged another epoch's gradients (this peer was behind, e.g. right after a
             # download that raced their step): the update still helps, but download the state next
             logger.info(f"groupmates were at epochs {sorted(gathered_epochs(gathered))}: resynchronizing")
-            self._resync = True
+            self.rounds.request_resync(missed=True)  # the swarm is at another epoch: this peer missed its round
         return True
 
     def resync_after_failed_round(self) -> bool:
         """After a round this peer could not finish: download the swarm's state at the next step (its
         local update drifted from the swarm's) if other peers train. Returns whether it will."""
-        self._resync = self._resync or self.tracker.global_progress.num_peers > 1
-        return self._resync
+        return self.rounds.request_resync()
 
     def wait_for_round(self, control: StepControl, *, watch_swarm: bool = True) -> Any:
-        """The round's gathered data (for algorithm implementations too). While this peer still looks for
-        a group, it gives up as soon as the swarm has finished this epoch without it (instead of waiting
-        out ``averaging_timeout``): MatchmakingError. Never waits past the control's deadline + 1 s."""
-        give_up = control.deadline + 1.0
-        while True:
-            try:
-                return control.result(min(ROUND_POLL_SECONDS, max(give_up - get_dht_time(), 0.0)))
-            except (TimeoutError, concurrent.futures.TimeoutError):
-                if get_dht_time() >= give_up:
-                    raise
-            if (
-                watch_swarm
-                and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
-                and self.tracker.global_progress.epoch > self.local_epoch
-            ):
-                control.cancel()
-                raise MatchmakingError("the swarm finished this epoch's round without this peer")
+        """The round's gathered data: :meth:`hivemind_ext.optim.rounds.RoundDriver.wait` of this peer."""
+        return self.rounds.wait(control, watch_swarm=watch_swarm)
 
     def _finish_gradient_round(self, control: StepControl, *, apply: bool) -> None:
         """Background job (delay_grad_averaging): wait for the round, then step on its result."""
@@ -715,8 +731,7 @@ class Optimizer(torch.optim.Optimizer):
             self._apply_averaged_gradients(publish=False)
 
     def _apply_averaged_gradients(self, *, publish: bool) -> None:
-        assert self.grad_averager is not None
-        with self._state_lock, self.grad_averager.use_averaged_gradients() as grads:
+        with self._state_lock, self._gradients().use_averaged_gradients() as grads:
             self.state_manager.apply_gradients(list(grads))
             if publish:
                 self.state_manager.copy_to_model()
@@ -733,23 +748,32 @@ class Optimizer(torch.optim.Optimizer):
         controls such as AsyncModelAverage's ``abort()`` / ``resume()``); None on the standard path."""
         return self._runner.impl if self._runner is not None else None
 
+    @property
+    def algorithm_runner(self) -> AlgorithmRunner | None:
+        """The runner of a custom ``algorithm`` (its buckets, round counters); None on the standard path."""
+        return self._runner
+
+    @property
+    def scheduled_round(self) -> StepControl | None:
+        """The gradient round pre-scheduled for this epoch's end, if any (its matchmaking runs ahead)."""
+        return self._scheduled_grads
+
     def swarm_epoch_is_over(self) -> bool:
         """Whether the swarm has accumulated ``target_batch_size`` samples in this peer's epoch."""
         return self.tracker.ready_to_update_epoch
 
     def _algorithm_step(self, batch_size: int) -> None:
-        assert self._runner is not None
+        runner = self._runner
+        if runner is None:
+            raise HivemindExtError("this optimizer runs no custom algorithm")
         self._epoch_samples += batch_size
         self.tracker.report_local_progress(self.local_epoch, self._epoch_samples)
         started = time.perf_counter()
-        if self._runner.step(batch_size):
+        if runner.step(batch_size):
             self.blocked_seconds += time.perf_counter() - started
         if self.tracker.ready_to_update_epoch:
-            next_epoch = self._next_epoch()
-            with self._state_lock:
-                self.state_manager.set_epoch(next_epoch)
             self._epoch_samples = 0
-            self._announce_epoch(next_epoch)
+            self._advance_epoch()
 
     def _should_average_state(self, epoch: int) -> bool:
         config = self.config
@@ -766,6 +790,11 @@ class Optimizer(torch.optim.Optimizer):
             timeout=config.averaging_timeout + config.matchmaking_time,
             scheduled_time=get_dht_time() + config.matchmaking_time,
         )
+
+    def collect_background_work(self, wait: bool = True) -> None:
+        """Publishes a finished delayed step and applies a finished state round (``wait``: for up to
+        about ``averaging_timeout`` while they run). ``step()`` does this itself, without waiting."""
+        self._collect_background_work(wait)
 
     def _collect_background_work(self, wait: bool) -> None:
         """Publishes a finished delayed step and applies a finished state round."""
@@ -794,7 +823,7 @@ class Optimizer(torch.optim.Optimizer):
     def _should_catch_up(self) -> bool:
         global_epoch = self.tracker.global_progress.epoch
         first, self._first_step = self._first_step, False
-        if self._resync:
+        if self.rounds.resync_pending:
             return True
         return self.local_epoch < global_epoch - 1 or (first and self.local_epoch < global_epoch)
 
@@ -806,7 +835,7 @@ class Optimizer(torch.optim.Optimizer):
     def load_state_from_peers(self, **kwargs: Any) -> None:
         """Downloads the newest parameters, optimizer state and epoch from peers and applies them."""
         started = time.perf_counter()
-        self._resync = False
+        self.rounds.clear_resync()
         self._wait_background()
         self.state_averager.cancel_round()
         if self._scheduled_grads is not None and not self._scheduled_grads.done():
@@ -872,7 +901,3 @@ class Optimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.shutdown()

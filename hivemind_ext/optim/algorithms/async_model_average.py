@@ -23,7 +23,6 @@ import concurrent.futures
 import logging
 import math
 import threading
-import time
 from typing import Any
 
 import torch
@@ -36,8 +35,6 @@ from hivemind_ext.errors import ConfigurationError, HivemindExtError
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, NamedTensor
 
 logger = logging.getLogger(__name__)
-
-_POLL_SECONDS = 0.05  # how often a waiting communication thread checks that it should stop
 
 
 class AsyncModelAverage(Algorithm):
@@ -76,24 +73,13 @@ class AsyncModelAverageImpl(AlgorithmImpl):
 
     def __init__(self, context: AlgorithmContext, algorithm: AsyncModelAverage) -> None:
         super().__init__(context)
-        self.grad_sums, self.mean_grads, self._sum_of = [], [], {}  # the default path's buffers: unused
         self.algorithm = algorithm
-        optimizer = context.optimizer
-        config = context.config
-        self._lock = optimizer.state_lock
-        self._state = optimizer.state_manager
+        self._lock = context.state_lock
+        self._state = context.state
         self._params: list[torch.Tensor] = list(self._state.opt_params)
-        self._matchmaking_time = float(config.matchmaking_time)
-        self._averaging_timeout = float(config.averaging_timeout)
-        self._join_timeout = float(config.shutdown_timeout)
+        self._join_timeout = float(context.config.shutdown_timeout)
         with self._lock:
             self._buffers = [p.detach().float().clone() for p in self._params]
-        opts = dict(optimizer.averager_opts)
-        opts.setdefault("client_mode", config.client_mode)
-        opts.setdefault("min_matchmaking_time", config.matchmaking_time)
-        opts.setdefault("allreduce_timeout", config.allreduce_timeout)
-        opts.setdefault("next_chunk_timeout", config.next_chunk_timeout)
-        opts.setdefault("shutdown_timeout", config.shutdown_timeout)
         self.averager = DecentralizedAverager(
             self._buffers,
             context.dht,
@@ -101,7 +87,7 @@ class AsyncModelAverageImpl(AlgorithmImpl):
             prefix=context.prefix("async_model_average"),
             compression=algorithm.codec,
             allow_state_sharing=False,
-            **opts,
+            **context.averager_options,
         )
         self.local_steps = 0
         self.rounds = 0
@@ -199,35 +185,26 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                 torch._foreach_add_(snapshot, self._pending)
         with self.averager.get_tensors() as buffers:
             torch._foreach_copy_(list(buffers), snapshot)
+        rounds = self.context.rounds
         with self._thread_lock:
             if stop.is_set():
                 return
+            # no expected group: whichever peers are averaging at the time make the group
+            plan = rounds.plan(expect_peers=False)
             control = self.averager.step(
-                weight=1.0,
-                scheduled_time=get_dht_time() + self._matchmaking_time,
-                timeout=self._averaging_timeout + self._matchmaking_time,
-                wait=False,
+                weight=1.0, scheduled_time=plan.scheduled_time, timeout=plan.timeout(get_dht_time()), wait=False
             )
-            assert isinstance(control, StepControl)
+            if not isinstance(control, StepControl):
+                raise HivemindExtError("a step with wait=False must return its StepControl")
             self._control = control
-        give_up = time.monotonic() + self._averaging_timeout + self._matchmaking_time + 5.0
         try:
-            while True:
-                if stop.is_set() or time.monotonic() > give_up:
-                    control.cancel()
-                    if not stop.is_set():
-                        self.failed_rounds += 1
-                    return
-                try:
-                    control.result(_POLL_SECONDS)
-                    break
-                except (TimeoutError, concurrent.futures.TimeoutError):
-                    continue
+            rounds.wait(control, watch_swarm=False, stop=stop)
         except concurrent.futures.CancelledError:
             return
         except HivemindExtError as e:
-            self.failed_rounds += 1
-            logger.info(f"async model averaging round failed ({e}); keeping the local parameters")
+            if not stop.is_set():
+                self.failed_rounds += 1
+                logger.info(f"async model averaging round failed ({e}); keeping the local parameters")
             return
         finally:
             with self._thread_lock:

@@ -32,15 +32,16 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from hivemind_ext.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
-    from hivemind_ext.optim.optimizer import Optimizer
+from hivemind_ext.optim.config import OptimizerConfig
+from hivemind_ext.optim.grad_accumulator import GradientAccumulator
+from hivemind_ext.optim.progress import ProgressTracker
+from hivemind_ext.optim.rounds import RoundDriver
+from hivemind_ext.optim.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
 
@@ -51,47 +52,83 @@ NamedTensor = tuple[str, torch.Tensor]
 
 @dataclasses.dataclass
 class AlgorithmContext:
-    """What an implementation is bound to: one Optimizer (one model) in one swarm.
+    """What an implementation is bound to: one model's training state in one swarm.
 
-    :param optimizer: the hivemind_ext.Optimizer that runs the algorithm
+    Algorithms reach the swarm through this context, never through the Optimizer that runs them
+    (which imports them): the training state and its lock, the progress tracker, the round driver
+    (plan a round, wait on it, the rule for a failed one), the averager options, and two requests
+    to the Optimizer: ``download_state()`` now, or ``request_resync()`` at the next step.
+
     :param key: distinguishes models that share one Algorithm object (part of every DHT prefix)
+    :param state: the model's :class:`~hivemind_ext.optim.training_state.TrainingState`
+    :param state_lock: held while the parameters or the optimizer state change
+    :param rounds: the :class:`~hivemind_ext.optim.rounds.RoundDriver` of this peer
+    :param averager_options: keywords for every averager the algorithm starts (the Optimizer's settings
+      with the user's ``averager_opts`` on top)
+    :param grad_compression: the Optimizer's ``grad_compression`` (the default codec of gradients)
     """
 
-    optimizer: Optimizer
     key: str
+    run_id: str
+    dht: Any
+    config: OptimizerConfig
+    state: TrainingState
+    state_lock: Any
+    tracker: ProgressTracker
+    rounds: RoundDriver
+    averager_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    grad_compression: Any = None
+    downloader: Callable[..., Any] | None = None
+    epoch_getter: Callable[[], int] | None = None
 
     @property
     def params(self) -> list[torch.Tensor]:
         """The model's parameters, in param-group order."""
-        return self.optimizer.state_manager.main_params
+        return self.state.main_params
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:
         """The wrapped torch optimizer (its param groups hold the model's parameters, no offload)."""
-        return self.optimizer.state_manager.optimizer
+        return self.state.optimizer
 
     @property
-    def dht(self) -> Any:
-        return self.optimizer.dht
+    def local_epoch(self) -> int:
+        """This peer's epoch (the swarm's epochs of ``target_batch_size`` samples)."""
+        return self.epoch_getter() if self.epoch_getter is not None else self.state.epoch
 
-    @property
-    def tracker(self) -> Any:
-        return self.optimizer.tracker
+    def swarm_epoch_is_over(self) -> bool:
+        """Whether the swarm has accumulated ``target_batch_size`` samples in this peer's epoch."""
+        return bool(self.tracker.ready_to_update_epoch)
 
-    @property
-    def config(self) -> Any:
-        return self.optimizer.config
+    def download_state(self, **kwargs: Any) -> Any:
+        """Downloads the swarm's newest training state now and applies it (``on_state_loaded`` follows)."""
+        if self.downloader is None:
+            raise ConfigurationError("this context cannot download a state (no downloader)")
+        return self.downloader(**kwargs)
+
+    def request_resync(self) -> bool:
+        """After a round this peer could not finish: the Optimizer downloads the swarm's state at the
+        next step if other peers train (:func:`~hivemind_ext.optim.rounds.after_failed_round`).
+        Returns whether it will."""
+        return self.rounds.request_resync()
 
     def prefix(self, suffix: str) -> str:
         """A DHT prefix for this model's traffic: peers of the same run and model key meet under it."""
-        return f"{self.optimizer.run_id}_{self.key}_{suffix}"
+        return f"{self.run_id}_{self.key}_{suffix}"
+
+
+class Averaging(Protocol):
+    """What an operation may ask of the runner that runs it."""
+
+    def average(self, buckets: Sequence[Bucket]) -> None:
+        """Averages these buckets with the swarm now, in one round."""
 
 
 class Operation(abc.ABC):
     """One step of a bucket's pipeline."""
 
     @abc.abstractmethod
-    def run(self, buckets: Sequence[Bucket], runner: AlgorithmRunner) -> None:
+    def run(self, buckets: Sequence[Bucket], runner: Averaging) -> None:
         """Runs on ``buckets`` (every bucket that has this kind of operation at this position)."""
 
 
@@ -106,7 +143,7 @@ class AverageOp(Operation):
     codec: Any = None
     weight: Callable[[], float] | None = None
 
-    def run(self, buckets: Sequence[Bucket], runner: AlgorithmRunner) -> None:
+    def run(self, buckets: Sequence[Bucket], runner: Averaging) -> None:
         runner.average(buckets)
 
 
@@ -116,7 +153,7 @@ class PythonOp(Operation):
 
     fn: Callable[[Bucket], None]
 
-    def run(self, buckets: Sequence[Bucket], runner: AlgorithmRunner) -> None:
+    def run(self, buckets: Sequence[Bucket], runner: Averaging) -> None:
         for bucket in buckets:
             self.fn(bucket)
 
@@ -188,10 +225,27 @@ class AlgorithmImpl:
     def __init__(self, context: AlgorithmContext) -> None:
         self.context = context
         self.samples = 0  # samples accumulated since the last communication
-        params = context.params
-        self.grad_sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]  # sum of batch_size * grad
-        self.mean_grads = [torch.zeros_like(p, dtype=torch.float32) for p in params]  # what is averaged
-        self._sum_of = {id(mean): total for mean, total in zip(self.mean_grads, self.grad_sums, strict=True)}
+        self._accumulator: GradientAccumulator | None = None
+        self._mean_grads: list[torch.Tensor] | None = None
+        self._index_of_mean: dict[int, int] = {}
+
+    @property
+    def accumulator(self) -> GradientAccumulator:
+        """The library's one gradient accumulator (finite check, ``reuse_grad_buffers``), created on
+        first use: algorithms that never accumulate (DiLoCo, AsyncModelAverage) allocate nothing."""
+        if self._accumulator is None:
+            config = getattr(self.context, "config", None)
+            reuse = bool(getattr(config, "reuse_grad_buffers", False))
+            self._accumulator = GradientAccumulator(self.context.params, reuse_grad_buffers=reuse)
+        return self._accumulator
+
+    @property
+    def mean_grads(self) -> list[torch.Tensor]:
+        """Float32 buffers the default path communicates: the local, then the swarm's, mean gradients."""
+        if self._mean_grads is None:
+            self._mean_grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.context.params]
+            self._index_of_mean = {id(t): i for i, t in enumerate(self._mean_grads)}
+        return self._mean_grads
 
     # ----- what and how
 
@@ -216,28 +270,28 @@ class AlgorithmImpl:
         """Appends the bucket's operations (default: compute the local mean gradient, then average it
         with the swarm weighted by samples, with the Optimizer's ``grad_compression``)."""
         bucket.append_python(self.load_mean_gradients)
-        bucket.append_average(self.context.optimizer.grad_compression, weight=lambda: float(self.samples))
+        bucket.append_average(self.context.grad_compression, weight=lambda: float(self.samples))
 
     # ----- when, and the callbacks
 
     def on_backward(self, batch_size: int) -> None:
-        """Called by ``step()`` after the user's backward (default: accumulate the gradients)."""
-        for param, total in zip(self.context.params, self.grad_sums, strict=True):
-            if param.grad is not None:
-                total.add_(param.grad.detach().float(), alpha=float(batch_size))
+        """Called by ``step()`` after the user's backward (default: accumulate the gradients; a batch
+        whose gradients hold NaN or Inf is refused with NonFiniteTensorError, as on the standard path)."""
+        self.accumulator.accumulate(batch_size)
         self.samples += batch_size
 
     def should_communicate(self) -> bool:
         """Whether to run the operations now (default: the swarm reached ``target_batch_size``)."""
-        return self.context.optimizer.swarm_epoch_is_over()
+        return self.context.swarm_epoch_is_over()
 
     def optimizer_step(self) -> None:
         """Updates the model (default: the wrapped optimizer steps on the averaged mean gradients)."""
-        self.context.optimizer.state_manager.apply_gradients(self.mean_grads)
+        self.context.state.apply_gradients(self.mean_grads)
 
     def on_optimizer_step(self) -> None:
         """Called after ``optimizer_step`` (default: start a new accumulation)."""
-        torch._foreach_zero_(self.grad_sums)
+        if self._accumulator is not None:
+            self._accumulator.reset()
         self.samples = 0
 
     def need_reset(self) -> bool:
@@ -263,10 +317,9 @@ class AlgorithmImpl:
     # ----- helpers for subclasses
 
     def load_mean_gradients(self, bucket: Bucket) -> None:
-        """A Python operation: the bucket's mean-gradient buffers = accumulated sums / samples."""
-        divisor = float(max(self.samples, 1))
+        """A Python operation: the bucket's mean-gradient buffers = the accumulator's mean gradients."""
         for tensor in bucket.tensors:
-            torch.div(self._sum_of[id(tensor)], divisor, out=tensor)
+            self.accumulator.mean_into(self._index_of_mean[id(tensor)], tensor)
 
 
 class Algorithm(abc.ABC):

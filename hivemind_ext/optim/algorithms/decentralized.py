@@ -206,7 +206,7 @@ class DecentralizedSGDImpl(AlgorithmImpl):
 
     def local_step(self, bucket: Bucket) -> None:
         grads = [p.grad for p in self.context.params]
-        self.context.optimizer.state_manager.apply_gradients(grads)
+        self.context.state.apply_gradients(grads)
         bucket.pack()
 
     def exchange(self, bucket: Bucket) -> None:

@@ -27,7 +27,9 @@ a part of the all-reduce was not averaged (it keeps its own values there).
 A peer that finds itself alone (the progress tracker sees no other peer) applies the outer step to
 its own pseudo-gradient at once instead of waiting ``averaging_timeout`` for a group. A round that
 fails while other peers are around leaves the anchors possibly out of step: the peer applies the
-outer step to its local pseudo-gradient and downloads the state from peers at its next step.
+outer step to its local pseudo-gradient and downloads the state from peers at its next step; this
+is the library's one rule for failed rounds (:func:`hivemind_ext.optim.rounds.after_failed_round`),
+which the runner applies, and which this implementation also applies to misaligned rounds.
 
 Peers must start from the same parameters (the same seed, or a state download), as with any
 gradient-averaging optimizer: DiLoCo averages differences, never the parameters themselves.
@@ -103,17 +105,11 @@ class DiLoCoImpl(AlgorithmImpl):
     - ``state_loads``: training states downloaded from peers (late join, catch-up, resync).
     """
 
-    # a failed or misaligned round sets its own resync, which downloads the state before the next
-    # inner step (see on_backward): the Optimizer need not download it a second time
-    resync_after_failed_round = False
-
     def __init__(self, context: AlgorithmContext, algorithm: DiLoCo) -> None:
         super().__init__(context)
-        self.grad_sums, self.mean_grads, self._sum_of = [], [], {}  # the default path's buffers: unused
         self.algorithm = algorithm
-        optimizer = context.optimizer
-        self._lock = optimizer.state_lock
-        self._state = optimizer.state_manager
+        self._lock = context.state_lock
+        self._state = context.state
         self._params: list[torch.Tensor] = list(self._state.opt_params)  # what the inner optimizer updates
         with self._lock:
             self.anchor = [p.detach().float().clone() for p in self._params]
@@ -130,7 +126,6 @@ class DiLoCoImpl(AlgorithmImpl):
         self.samples_in_round = 0
         self.contributing = True  # False from a state download to the end of that round
         self._round_ok: bool | None = None
-        self._resync = False
         self.inner_steps = 0
         self.rounds = 0
         self.swarm_rounds = 0
@@ -176,14 +171,8 @@ class DiLoCoImpl(AlgorithmImpl):
     # ----- when, and the callbacks
 
     def on_backward(self, batch_size: int) -> None:
-        """One inner step on the local gradients (after a state download if the last round failed)."""
-        if self._resync:
-            self._resync = False
-            if self._peers() > 1:
-                logger.info("DiLoCo: the last round failed; downloading the state from peers")
-                self.context.optimizer.load_state_from_peers(timeout=self.context.config.averaging_timeout)
-                if not self.contributing:  # loaded: these gradients belong to the old parameters
-                    return
+        """One inner step on the local gradients (after a failed round, the Optimizer downloads the
+        state before this step and skips it: those gradients belong to the old parameters)."""
         grads = [p.grad for p in self.context.params]
         with self._lock:
             self._state.apply_gradients(grads)
@@ -237,7 +226,7 @@ class DiLoCoImpl(AlgorithmImpl):
             # a failed round, or one where most of the weight came from peers at another round index
             # (this peer slipped into the group of a later round): the anchors may now differ
             self.failed_rounds += 1
-            self._resync = True
+            self.context.request_resync()
             kind = "failed" if not self._round_ok else "misaligned"
         self.history.append((self.round_index, kind, self.round_weight(), self.last_group_size))
 
@@ -275,7 +264,7 @@ class DiLoCoImpl(AlgorithmImpl):
     @property
     def resync_pending(self) -> bool:
         """The last round failed or mixed rounds: the next ``step()`` downloads the state from peers."""
-        return self._resync
+        return self.context.rounds.resync_pending
 
     @property
     def round_index(self) -> int:

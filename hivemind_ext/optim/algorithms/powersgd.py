@@ -216,10 +216,9 @@ class PowerSGDImpl(AlgorithmImpl):
         return [(i, self.compressors[i]) for i in indices]
 
     def compute_p(self, bucket: Bucket) -> None:
-        divisor = float(max(self.samples, 1))
-        epoch = self.context.optimizer.local_epoch
+        epoch = self.context.local_epoch
         for index, compressor in self._compressors_of(bucket):
-            compressor.begin(self.grad_sums[index] / divisor, epoch)
+            compressor.begin(self.accumulator.mean(index), epoch)
 
     def compute_q(self, bucket: Bucket) -> None:
         for _, compressor in self._compressors_of(bucket):

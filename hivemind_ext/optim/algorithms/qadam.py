@@ -164,7 +164,7 @@ class QAdamImpl(AlgorithmImpl):
         # what is averaged after warm-up: this peer's momentum, then the swarm's (copied into the state)
         self.momenta = [torch.zeros_like(g) for g in self.mean_grads]
         self._index = {id(t): i for i, t in enumerate(self.momenta)}
-        with context.optimizer.state_lock:
+        with context.state_lock:
             self._ensure_state()
         self.compressing = self.step_count >= self.warmup_steps
 
@@ -206,12 +206,11 @@ class QAdamImpl(AlgorithmImpl):
         self._ensure_state()  # the user may have loaded a state dict without them
         state = self.context.torch_optimizer.state
         groups = self._group_of
-        divisor = float(max(self.samples, 1))
         for tensor in bucket.tensors:
             index = self._index[id(tensor)]
             beta1 = float(groups[index]["betas"][0])
             momentum = state[self.opt_params[index]]["exp_avg"].to(tensor.device, torch.float32)
-            torch.lerp(self.grad_sums[index] / divisor, momentum, beta1, out=tensor)
+            torch.lerp(self.accumulator.mean(index), momentum, beta1, out=tensor)
 
     @property
     def _group_of(self) -> list[dict[str, Any]]:
@@ -224,7 +223,7 @@ class QAdamImpl(AlgorithmImpl):
 
     def reset(self) -> None:
         self.compressing = self.step_count >= self.warmup_steps
-        with self.context.optimizer.state_lock:
+        with self.context.state_lock:
             self._ensure_state()
 
     def on_state_loaded(self) -> None:

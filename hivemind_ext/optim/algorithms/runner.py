@@ -66,9 +66,9 @@ class AlgorithmRunner:
         if not impl.should_communicate():
             return False
         self.communicate()
-        with self.context.optimizer.state_lock:
+        with self.context.state_lock:
             impl.optimizer_step()
-            self.context.optimizer.state_manager.copy_to_model()
+            self.context.state.copy_to_model()
         impl.on_optimizer_step()
         return True
 
@@ -94,16 +94,16 @@ class AlgorithmRunner:
         weight = _weight(ops)
         for bucket in buckets:
             bucket.pack()
-        optimizer = self.context.optimizer
-        config = optimizer.config
+        rounds = self.context.rounds
         # the group forms as soon as every peer the swarm reports is looking, else at the scheduled
         # time with whoever is (peers reach the epoch's end up to a tracker refresh apart)
-        expected = self._expected_group_size(averager)
+        last = averager.last_round.group_size if averager.last_round is not None else None
+        plan = rounds.plan(last_group_size=last)
         control = averager.step(
             weight=weight,
-            scheduled_time=get_dht_time() + config.matchmaking_time * (2 if expected else 1),
-            timeout=config.averaging_timeout,
-            expected_group_size=expected,
+            scheduled_time=plan.scheduled_time,
+            timeout=plan.timeout(get_dht_time()),
+            expected_group_size=plan.expected_group_size,
             wait=False,
         )
         # rounds at the epoch's end (the default should_communicate): the swarm moving to the next epoch
@@ -111,12 +111,11 @@ class AlgorithmRunner:
         # that communicate on their own schedule (DiLoCo: every H steps) wait out the round instead.
         epoch_rounds = type(self.impl).should_communicate is AlgorithmImpl.should_communicate
         try:
-            optimizer.wait_for_round(control, watch_swarm=epoch_rounds)
+            rounds.wait(control, watch_swarm=epoch_rounds)
         except ROUND_ERRORS as e:
-            if not control.done():
-                control.cancel()
             self.failed_rounds += 1
-            resync = self.impl.resync_after_failed_round and optimizer.resync_after_failed_round()
+            outcome = rounds.after_failure()
+            resync = outcome.resync and self.impl.resync_after_failed_round and self.context.request_resync()
             logger.warning(
                 f"averaging failed ({e!r}): proceeding with local values"
                 + ("; the state will be downloaded from peers at the next step" if resync else "")
@@ -131,12 +130,6 @@ class AlgorithmRunner:
                 bucket.unpack()
         self.impl.on_average_result(True, averager.last_round)
 
-    def _expected_group_size(self, averager: DecentralizedAverager) -> int | None:
-        """The larger of this averager's last group and the peers the tracker sees; None if below 2."""
-        last = averager.last_round.group_size if averager.last_round is not None else 0
-        expected = max(last, self.context.optimizer.tracker.global_progress.num_peers)
-        return expected if expected >= 2 else None
-
     def _averager(self, position: int, buckets: list[Bucket]) -> DecentralizedAverager:
         key = (self.stage, position)
         averager = self._averagers.get(key)
@@ -147,22 +140,15 @@ class AlgorithmRunner:
             b.name: as_codec(op.codec if op.codec is not None else NoCompression())
             for b, op in zip(buckets, ops, strict=True)
         }
-        optimizer = self.context.optimizer
-        config = optimizer.config
-        opts = dict(optimizer.averager_opts)
-        opts.setdefault("client_mode", config.client_mode)
-        opts.setdefault("min_matchmaking_time", config.matchmaking_time)
-        opts.setdefault("allreduce_timeout", config.allreduce_timeout)
-        opts.setdefault("next_chunk_timeout", config.next_chunk_timeout)
         averager = DecentralizedAverager(
             [b.flat for b in buckets],
-            optimizer.dht,
+            self.context.dht,
             start=True,
             prefix=self.context.prefix(f"s{self.stage}p{position}"),
             compression=PerTensorCompression(codecs),
             tensor_infos=[CompressionInfo.from_tensor(b.flat, key=b.name) for b in buckets],
             allow_state_sharing=False,
-            **opts,
+            **self.context.averager_options,
         )
         self._averagers[key] = averager
         return averager

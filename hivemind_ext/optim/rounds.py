@@ -1,0 +1,259 @@
+"""The round driver: every decision about an averaging round, and the one loop that waits on it.
+
+The Optimizer's gradient rounds, the algorithms' rounds (:class:`.AlgorithmRunner`), the auxiliary
+peer and asynchronous model averaging all ask this module the same questions:
+
+- when is the round scheduled, and when is its deadline (:func:`plan_round`);
+- how many peers to expect (:func:`expected_group_size`);
+- when to start matchmaking ahead of the epoch's end (:func:`should_prepare_round`);
+- when to stop waiting (:func:`give_up_time`, :func:`should_abandon_search`);
+- what a round missed or failed means (:func:`missed_round`, :func:`after_failed_round`);
+- which epoch comes next (:func:`next_epoch`).
+
+They are pure functions of numbers, so ``tests/test_rounds.py`` drives them as a table of cases.
+:class:`RoundDriver` holds the one implementation that waits on a round; it calls an optional
+:class:`RoundHooks` before and after each round: the documented seam where a test fails a round
+(raise from ``before_round``) or watches the outcome, without patching private attributes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from hivemind.utils import get_dht_time
+
+from hivemind_ext.averaging.control import AveragingStage, StepControl
+from hivemind_ext.errors import DeadlineExceededError, MatchmakingError
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.1  # while waiting for a round: how often to look at the swarm's epoch and the stop flag
+GRACE_SECONDS = 1.0  # a round's result may arrive this long after its deadline (the averager's own cleanup)
+SEARCHING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """When a round starts even if its group is not full, when it gives up, and whom it expects."""
+
+    scheduled_time: float
+    deadline: float
+    expected_group_size: int | None
+
+    def timeout(self, now: float) -> float:
+        """What ``DecentralizedAverager.step(timeout=...)`` takes: the deadline, relative to ``now``."""
+        return self.deadline - now
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedRound:
+    """What a peer does after a round it missed or that failed.
+
+    :param step_locally: update the model from this peer's local values (its own gradients)
+    :param resync: download the swarm's state at the next step (its update drifted from the swarm's)
+    """
+
+    step_locally: bool
+    resync: bool
+
+
+# ----- the decisions (pure)
+
+
+def expected_group_size(last_group_size: int | None, peers_seen: int) -> int | None:
+    """The larger of the last round's group and the peers the tracker sees; None below 2 (no one
+    to wait for: the round forms at its scheduled time with whoever is looking)."""
+    expected = max(last_group_size or 0, peers_seen)
+    return expected if expected >= 2 else None
+
+
+def plan_round(
+    now: float,
+    *,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    eta: float | None = None,
+    expected: int | None = None,
+) -> RoundPlan:
+    """Schedules a round: at the swarm's estimated epoch end ``eta`` (now, if unknown or past) plus
+    one matchmaking time, two when a group size is expected (the group then forms as soon as every
+    expected peer is looking; the later fallback lets peers that entered the epoch late still join).
+    ``averaging_timeout`` counts from the scheduled time: the round itself gets that long."""
+    start = now if eta is None else max(eta, now)
+    scheduled = start + matchmaking_time * (2 if expected else 1)
+    return RoundPlan(scheduled_time=scheduled, deadline=scheduled + averaging_timeout, expected_group_size=expected)
+
+
+def should_prepare_round(now: float, eta: float, matchmaking_time: float) -> bool:
+    """Start matchmaking ahead of time: the swarm's epoch end is at most one matchmaking time away."""
+    return eta - now <= matchmaking_time
+
+
+def give_up_time(deadline: float) -> float:
+    """No one waits for a round past its deadline plus a short grace."""
+    return deadline + GRACE_SECONDS
+
+
+def should_abandon_search(*, searching: bool, swarm_epoch: int, local_epoch: int, watch_swarm: bool) -> bool:
+    """A peer still looking for a group once the swarm has finished this epoch could only wait out
+    its deadline: the round happened without it."""
+    return watch_swarm and searching and swarm_epoch > local_epoch
+
+
+def missed_round(*, searching: bool | None, swarm_epoch: int, local_epoch: int, rounds_overlap_epochs: bool) -> bool:
+    """Whether the swarm already averaged this epoch without this peer, known before its round began.
+
+    :param searching: whether this peer's pre-scheduled round is still looking for a group (None: none)
+    :param rounds_overlap_epochs: peers enter the next epoch before their round ends (delayed
+      averaging): a further swarm epoch then says nothing about this peer's round
+    """
+    if rounds_overlap_epochs or swarm_epoch <= local_epoch:
+        return False
+    return searching is None or searching
+
+
+def after_failed_round(*, peers_seen: int, missed: bool = False) -> FailedRound:
+    """The one rule for a round missed or failed, whatever the algorithm.
+
+    A round that failed (or was given up): the peer steps on its local values (its own mean gradient,
+    pseudo-gradient, ...), as ``hivemind.Optimizer`` does when averaging fails, and, if other peers
+    train, downloads the swarm's state at its next step, which brings it back in line. A peer alone
+    has no one to resync with.
+
+    A round *missed* (the swarm finished this epoch's round before this peer's began): other peers
+    train by definition, so it resyncs; it does not step, since the download replaces the parameters
+    its step would change (its gradients belong to an epoch the swarm has left).
+    """
+    if missed:
+        return FailedRound(step_locally=False, resync=True)
+    return FailedRound(step_locally=True, resync=peers_seen > 1)
+
+
+def next_epoch(local_epoch: int, swarm_epoch: int) -> int:
+    """The epoch a peer enters when its current one ends (the swarm's, if that is further)."""
+    return max(local_epoch + 1, swarm_epoch)
+
+
+# ----- the seam
+
+
+class RoundHooks:
+    """Called by :class:`RoundDriver` around each round it waits on. Subclass and pass it as
+    ``Optimizer(..., round_hooks=...)`` (or to a driver) to watch rounds, or to fail one: an
+    exception raised by ``before_round`` fails the round as if the averager had raised it (the
+    driver cancels the round's control first)."""
+
+    def before_round(self, control: StepControl, *, watch_swarm: bool) -> None:
+        """Before waiting on ``control``."""
+
+    def after_round(self, control: StepControl, error: BaseException | None) -> None:
+        """After the wait: ``error`` is None when the round succeeded, else what the wait raised."""
+
+
+class _Tracker(Protocol):
+    @property
+    def global_progress(self) -> Any: ...
+
+
+class RoundDriver:
+    """One peer's rounds: plans them from its settings and the swarm's progress, and waits on them.
+
+    :param tracker: the run's progress tracker (its ``global_progress``: the swarm's epoch, peers)
+    :param local_epoch: returns this peer's epoch
+    :param hooks: see :class:`RoundHooks`
+    """
+
+    def __init__(
+        self,
+        *,
+        tracker: _Tracker,
+        matchmaking_time: float,
+        averaging_timeout: float,
+        local_epoch: Callable[[], int],
+        hooks: RoundHooks | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.matchmaking_time, self.averaging_timeout = float(matchmaking_time), float(averaging_timeout)
+        self.local_epoch = local_epoch
+        self.hooks = hooks if hooks is not None else RoundHooks()
+        self._resync = False
+
+    # ----- after a missed or failed round
+
+    @property
+    def resync_pending(self) -> bool:
+        """A round failed while other peers train: the Optimizer downloads the swarm's state at the next step."""
+        return self._resync
+
+    def request_resync(self, *, missed: bool = False) -> bool:
+        """Applies :func:`after_failed_round`'s resync rule; returns whether a download is now pending."""
+        self._resync = self._resync or self.after_failure(missed=missed).resync
+        return self._resync
+
+    def clear_resync(self) -> None:
+        """Called when the download starts."""
+        self._resync = False
+
+    @property
+    def peers_seen(self) -> int:
+        return int(self.tracker.global_progress.num_peers)
+
+    def plan(
+        self, *, eta: float | None = None, last_group_size: int | None = None, expect_peers: bool = True
+    ) -> RoundPlan:
+        """A round for now (or the epoch end ``eta``); ``expect_peers=False``: no expected group size."""
+        expected = expected_group_size(last_group_size, self.peers_seen) if expect_peers else None
+        return plan_round(
+            get_dht_time(),
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+            eta=eta,
+            expected=expected,
+        )
+
+    def after_failure(self, *, missed: bool = False) -> FailedRound:
+        """:func:`after_failed_round` with the peers the tracker sees now."""
+        return after_failed_round(peers_seen=self.peers_seen, missed=missed)
+
+    def wait(self, control: StepControl, *, watch_swarm: bool = True, stop: threading.Event | None = None) -> Any:
+        """The round's gathered data. Gives up (cancelling the round) at ``give_up_time`` of its
+        deadline (DeadlineExceededError); with ``watch_swarm``, as soon as the swarm has finished this
+        epoch while this peer still looks for a group (MatchmakingError); when ``stop`` is set
+        (concurrent.futures.CancelledError). Re-raises what the round raised."""
+        try:
+            self.hooks.before_round(control, watch_swarm=watch_swarm)
+            result = self._wait(control, watch_swarm=watch_swarm, stop=stop)
+        except BaseException as e:
+            if not control.done():
+                control.cancel()
+            self.hooks.after_round(control, e)
+            raise
+        self.hooks.after_round(control, None)
+        return result
+
+    def _wait(self, control: StepControl, *, watch_swarm: bool, stop: threading.Event | None) -> Any:
+        give_up = give_up_time(control.deadline)
+        while True:
+            try:
+                return control.result(min(POLL_SECONDS, max(give_up - get_dht_time(), 0.0)))
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                if control.done():
+                    raise  # the round itself failed with a timeout: not a wait that ran out
+                if get_dht_time() >= give_up:
+                    raise DeadlineExceededError("the averaging round did not finish before its deadline") from None
+            if stop is not None and stop.is_set():
+                control.cancel()
+                raise concurrent.futures.CancelledError("the round was stopped")
+            if should_abandon_search(
+                searching=control.stage in SEARCHING,
+                swarm_epoch=self.tracker.global_progress.epoch,
+                local_epoch=self.local_epoch(),
+                watch_swarm=watch_swarm,
+            ):
+                control.cancel()
+                raise MatchmakingError("the swarm finished this epoch's round without this peer")
