@@ -31,7 +31,7 @@ from hivemind_ext.averaging.allreduce.service import (
     AllreduceResult,
     AllreduceService,
 )
-from hivemind_ext.averaging.control import AveragingStage, StepControl
+from hivemind_ext.averaging.control import AveragingMode, AveragingStage, StepControl
 from hivemind_ext.averaging.delta import apply_average
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
@@ -205,6 +205,13 @@ class DecentralizedAverager:
     @property
     def peer_id(self) -> Any:
         return self.dht.peer_id
+
+    @property
+    def mode(self) -> AveragingMode:
+        """CLIENT for a client-mode peer, AUX for an auxiliary one, else NODE (as in hivemind)."""
+        if self.client_mode:
+            return AveragingMode.CLIENT
+        return AveragingMode.AUX if self.auxiliary else AveragingMode.NODE
 
     @property
     def total_size(self) -> int:
