@@ -178,6 +178,7 @@ class DecentralizedAverager:
             client_mode=client_mode,
             load_state_compression=self.state_compression,
             declare_state_period=declare_state_period,
+            snapshot_reuse_time=0.0,  # like hivemind: get_current_state once per download, a copy as of it
         )
         self._allow_state_sharing = allow_state_sharing
         self._state_sharing_priority = 0
@@ -277,6 +278,7 @@ class DecentralizedAverager:
                 p2p=p2p,
                 get_state=self.get_current_state,
                 version=self._state_sharing_priority,
+                state_lock=self._lock,  # the donor copies what get_current_state returns under get_tensors()'s lock
             )
             self._donor.allow_state_sharing = self._allow_state_sharing
             await self._donor.start()
@@ -324,9 +326,14 @@ class DecentralizedAverager:
             yield self._averaged_tensors
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo]]:
-        """What a newcomer downloads: (small metadata, tensors, infos). Subclasses override it."""
+        """What a newcomer downloads: (small metadata, tensors, infos). Subclasses override it.
+
+        Called once per download (in a worker thread), as hivemind does. The tensors may be live, as
+        here: right after the call the donor copies them while holding the lock of
+        :meth:`get_tensors`, so a state changed in place under that lock is served as of one moment.
+        """
         with self.get_tensors() as tensors:
-            return {"prefix": self.prefix}, [t.detach().clone() for t in tensors], self.tensor_infos
+            return {"prefix": self.prefix}, list(tensors), self.tensor_infos
 
     def load_state_from_peers(
         self, wait: bool = True, timeout: float | None = None

@@ -6,7 +6,7 @@ For the averager::
     config = StateSharingConfig(prefix="run42", load_state_compression=Float16Compression())
     p2p = await dht.replicate_p2p()
 
-    donor = StateDonor(config, dht=dht, p2p=p2p, get_state=snapshot_under_lock, version=epoch)
+    donor = StateDonor(config, dht=dht, p2p=p2p, get_state=current_state, state_lock=lock, version=epoch)
     await donor.start()                     # serves and advertises (neither in client mode)
     donor.set_version(epoch)                # after each state update, from any thread
     donor.allow_state_sharing = False       # hivemind's switch, from any thread
@@ -21,7 +21,7 @@ Where the parts live:
 - :mod:`.config`: :class:`StateSharingConfig`, every knob and what it bounds;
 - :mod:`.records`: the donors' DHT records (key, format, strict parsing, ranking);
 - :mod:`.manifest`: the wire protocol (requests, manifest, chunks, digests) and its validation;
-- :mod:`.snapshot`: the donor's snapshots (taken in a worker thread, encoded once, reused);
+- :mod:`.snapshot`: the donor's snapshots (taken and copied under the lock in a worker thread, encoded once);
 - :mod:`.donor`: :class:`StateDonor` (handler, advertisement) and the :class:`DonorHooks` fault seam;
 - :mod:`.download`: :class:`StateLoader` (donor choice, spreading, verification, retries).
 

@@ -26,7 +26,9 @@ import concurrent.futures
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
@@ -95,9 +97,11 @@ class StateDonor:
     :param config: the state sharing configuration (prefix, codec, limits, timeouts).
     :param dht: a running hivemind DHT, for the advertisement.
     :param p2p: the libp2p daemon to serve on (``await dht.replicate_p2p()``).
-    :param get_state: returns the snapshot to serve (see :data:`.state_snapshot.StateGetter`).
+    :param get_state: returns the state to serve, live tensors allowed (see :data:`.snapshot.StateGetter`).
     :param version: the state's version (e.g. the epoch); newcomers download the newest one.
     :param hooks: fault injection for tests.
+    :param state_lock: held while the tensors ``get_state`` returned are copied (the lock under which
+      training changes them, e.g. the averager's); each download serves such a copy.
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class StateDonor:
         get_state: StateGetter,
         version: int = 0,
         hooks: DonorHooks | None = None,
+        state_lock: AbstractContextManager[Any] | None = None,
     ) -> None:
         if not callable(get_state):
             raise ConfigurationError(f"get_state must be callable, got {type(get_state).__name__}")
@@ -124,6 +129,7 @@ class StateDonor:
             chunk_bytes=config.chunk_bytes,
             reuse_time=config.snapshot_reuse_time,
             executor=self._executor,
+            state_lock=state_lock,
         )
         self._server = RPCServer(p2p, config.rpc_namespace, config=self._handler_config())
         self._tasks = TaskOwner(f"StateDonor({config.prefix})")
