@@ -83,7 +83,7 @@ async def time_ours(
         load_state_compression=NoCompression() if codec == "none" else Float16Compression(),
     )
     serving = [
-        StateDonor(config, dht=dhts[i], p2p=p2ps[i], get_state=lambda: ({"step": 1}, [tensor.clone()]), version=1)
+        StateDonor(config, dht=dhts[i], p2p=p2ps[i], get_state=lambda: ({"step": 1}, [tensor]), version=1)
         for i in range(donors)
     ]
     for donor in serving:

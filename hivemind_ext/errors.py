@@ -8,6 +8,13 @@ against the standard types keeps working.
 
 from __future__ import annotations
 
+# hivemind's own failure types, so that code written against hivemind (``except AllreduceException``
+# around ``averager.step()``) catches ours too. This is the one deliberate import from hivemind's
+# averaging modules (DESIGN.md otherwise forbids them): only the two exception classes, and free,
+# since ``import hivemind`` already imports hivemind.averaging.
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
+
 
 class HivemindExtError(Exception):
     """Root of all errors raised by hivemind_ext."""
@@ -49,12 +56,19 @@ class ClosedError(HivemindExtError, RuntimeError):
     """An object (a server, a stream, a task owner) was used after it was closed or shut down."""
 
 
-class MatchmakingError(HivemindExtError):
-    """No averaging group could be formed before the deadline."""
+class MatchmakingError(HivemindExtError, MatchmakingException, AllreduceException):
+    """No averaging group could be formed before the deadline.
+
+    Also a hivemind ``MatchmakingException`` and ``AllreduceException``: hivemind's
+    ``DecentralizedAverager.step`` raises ``AllreduceException("... could not find a group")`` here."""
 
 
-class AllreduceError(HivemindExtError):
-    """An all-reduce round failed as a whole (not merely some peers excluded)."""
+class AllreduceError(HivemindExtError, AllreduceException, MatchmakingException):
+    """An all-reduce round failed as a whole (not merely some peers excluded).
+
+    Also a hivemind ``AllreduceException`` and ``MatchmakingException``: hivemind's
+    ``DecentralizedAverager.step`` wraps a failed all-reduce in ``MatchmakingException("Unable to run
+    All-Reduce: ...")``, and its all-reduce itself raises ``AllreduceException``."""
 
 
 class StateLoadError(HivemindExtError):

@@ -16,7 +16,7 @@ Layout:
 
 from hivemind_ext.averaging.allreduce.service import AllreduceConfig, AllreduceResult, AllreduceService
 from hivemind_ext.averaging.averager import DecentralizedAverager, RoundReport
-from hivemind_ext.averaging.control import AveragingStage, StepControl
+from hivemind_ext.averaging.control import AveragingMode, AveragingStage, StepControl
 from hivemind_ext.averaging.matchmaking.group import GroupInfo, Member
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
 
@@ -24,6 +24,7 @@ __all__ = [
     "AllreduceConfig",
     "AllreduceResult",
     "AllreduceService",
+    "AveragingMode",
     "AveragingStage",
     "DecentralizedAverager",
     "GroupInfo",

@@ -33,7 +33,7 @@ from hivemind_ext.averaging.allreduce.service import (
     AllreduceResult,
     AllreduceService,
 )
-from hivemind_ext.averaging.control import AveragingStage, StepControl
+from hivemind_ext.averaging.control import AveragingMode, AveragingStage, StepControl
 from hivemind_ext.averaging.delta import apply_average
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
@@ -185,6 +185,7 @@ class DecentralizedAverager:
             client_mode=client_mode,
             load_state_compression=self.state_compression,
             declare_state_period=declare_state_period,
+            snapshot_reuse_time=0.0,  # like hivemind: get_current_state once per download, a copy as of it
         )
         self._allow_state_sharing = allow_state_sharing
         self._state_sharing_priority = 0
@@ -212,6 +213,13 @@ class DecentralizedAverager:
     @property
     def peer_id(self) -> Any:
         return self.dht.peer_id
+
+    @property
+    def mode(self) -> AveragingMode:
+        """CLIENT for a client-mode peer, AUX for an auxiliary one, else NODE (as in hivemind)."""
+        if self.client_mode:
+            return AveragingMode.CLIENT
+        return AveragingMode.AUX if self.auxiliary else AveragingMode.NODE
 
     @property
     def total_size(self) -> int:
@@ -287,6 +295,7 @@ class DecentralizedAverager:
                 dht_calls=dht_calls,
                 get_state=self.get_current_state,
                 version=self._state_sharing_priority,
+                state_lock=self._lock,  # the donor copies what get_current_state returns under get_tensors()'s lock
             )
             self._donor.allow_state_sharing = self._allow_state_sharing
             await self._donor.start()
@@ -338,9 +347,14 @@ class DecentralizedAverager:
             yield self._averaged_tensors
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo]]:
-        """What a newcomer downloads: (small metadata, tensors, infos). Subclasses override it."""
+        """What a newcomer downloads: (small metadata, tensors, infos). Subclasses override it.
+
+        Called once per download (in a worker thread), as hivemind does. The tensors may be live, as
+        here: right after the call the donor copies them while holding the lock of
+        :meth:`get_tensors`, so a state changed in place under that lock is served as of one moment.
+        """
         with self.get_tensors() as tensors:
-            return {"prefix": self.prefix}, [t.detach().clone() for t in tensors], self.tensor_infos
+            return {"prefix": self.prefix}, list(tensors), self.tensor_infos
 
     def load_state_from_peers(
         self, wait: bool = True, timeout: float | None = None

@@ -18,6 +18,29 @@ from typing import Any
 from hivemind_ext.errors import ConfigurationError
 
 
+class AveragingMode(enum.Enum):
+    """How a peer takes part in averaging (hivemind's ``AveragingMode``, with the same names and values).
+
+    NODE: contributes tensors and accepts connections; CLIENT: contributes tensors but accepts no
+    connections (so it owns no part of the all-reduce); AUX: accepts connections and helps reduce,
+    contributing no tensors. A member equals hivemind's member of the same name, so scripts that compare
+    ``averager.mode == hivemind.averaging.averager.AveragingMode.CLIENT`` keep working without the
+    library importing hivemind's averaging modules.
+    """
+
+    NODE = 0
+    CLIENT = 1
+    AUX = 2
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, enum.Enum) and type(other).__name__ == "AveragingMode":
+            return (other.name, other.value) == (self.name, self.value)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.name)  # what enum.Enum hashes, so a member and hivemind's are one dict key
+
+
 class AveragingStage(enum.Enum):
     IDLE = enum.auto()
     LOOKING_FOR_GROUP = enum.auto()

@@ -7,7 +7,7 @@ For the averager::
     runtime = PeerRuntime.acquire(dht)      # the peer's loop, P2P replica, RPC server and DHT calls
     p2p = await runtime.start_network()     # on runtime.loop_thread
 
-    donor = StateDonor(config, dht=dht, p2p=p2p, get_state=snapshot_under_lock, version=epoch,
+    donor = StateDonor(config, dht=dht, p2p=p2p, get_state=current_state, state_lock=lock, version=epoch,
                        server=runtime.server, dht_calls=runtime.dht_calls)
     await donor.start()                     # serves and advertises (neither in client mode)
     donor.set_version(epoch)                # after each state update, from any thread
@@ -23,7 +23,7 @@ Where the parts live:
 - :mod:`.config`: :class:`StateSharingConfig`, every knob and what it bounds;
 - :mod:`.records`: the donors' DHT records (key, format, strict parsing, ranking);
 - :mod:`.manifest`: the wire protocol (requests, manifest, chunks, digests) and its validation;
-- :mod:`.snapshot`: the donor's snapshots (taken in a worker thread, encoded once, reused);
+- :mod:`.snapshot`: the donor's snapshots (taken and copied under the lock in a worker thread, encoded once);
 - :mod:`.donor`: :class:`StateDonor` (handler, advertisement) and the :class:`DonorHooks` fault seam;
 - :mod:`.download`: :class:`StateLoader` (donor choice, spreading, verification, retries).
 

@@ -26,7 +26,9 @@ import concurrent.futures
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
@@ -99,9 +101,11 @@ class StateDonor:
     :param server: serve on a scope of this (the peer runtime's) RPC server instead of a server of
       the donor's own on ``p2p``.
     :param dht_calls: the peer runtime's DHT helper (default: one of the donor's own around ``dht``).
-    :param get_state: returns the snapshot to serve (see :data:`.state_snapshot.StateGetter`).
+    :param get_state: returns the state to serve, live tensors allowed (see :data:`.snapshot.StateGetter`).
     :param version: the state's version (e.g. the epoch); newcomers download the newest one.
     :param hooks: fault injection for tests.
+    :param state_lock: held while the tensors ``get_state`` returned are copied (the lock under which
+      training changes them, e.g. the averager's); each download serves such a copy.
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class StateDonor:
         hooks: DonorHooks | None = None,
         server: RPCServer | None = None,
         dht_calls: DHTCalls | None = None,
+        state_lock: AbstractContextManager[Any] | None = None,
     ) -> None:
         if not callable(get_state):
             raise ConfigurationError(f"get_state must be callable, got {type(get_state).__name__}")
@@ -130,6 +135,7 @@ class StateDonor:
             chunk_bytes=config.chunk_bytes,
             reuse_time=config.snapshot_reuse_time,
             executor=self._executor,
+            state_lock=state_lock,
         )
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
         if server is not None:

@@ -1,14 +1,21 @@
-"""The donor's snapshots: taking the state from the averager, encoding it into chunks once, and
-sharing one prepared snapshot between the downloads it serves.
+"""The donor's snapshots: taking the state from the averager, copying it, encoding it into chunks,
+and sharing one prepared snapshot between the downloads that may have it.
 
-Why a snapshot is cheap and never blocks the event loop: ``get_state`` (which may wait for the
-averager's lock) and the encoding + hashing both run in one worker thread; the event loop only
-waits, and never longer than ``snapshot_timeout`` for the lock. Only one snapshot is taken at a
-time: requests that arrive meanwhile wait for the same one, and a prepared snapshot of the current
-version is reused for ``snapshot_reuse_time``. When the lock stays taken past ``snapshot_timeout``
-(an all-reduce in progress), the previous snapshot of the same version is served if there is one,
-and otherwise the request is answered "busy" so that the newcomer moves on at once; the snapshot
-keeps being taken in the background and is ready for the next request.
+Every download is served a consistent copy of the state as of the request, as hivemind's
+``rpc_download_state`` calls ``get_current_state`` once per request: ``get_state`` may return live
+tensors that training keeps changing in place (hivemind's documented pattern), so the donor copies
+them at once, under the averager's lock where it has one (``state_lock``), and encodes and hashes
+the copy. That copy is the only one a download makes (``NoCompression`` chunks are views of it).
+
+Why a snapshot never blocks the event loop: ``get_state`` (which may wait for the averager's lock),
+the copy and the encoding + hashing run in one worker thread; the event loop only waits, and never
+longer than ``snapshot_timeout`` for the state. Only one snapshot is taken at a time: requests that
+arrive before it starts reading the state wait for the same one, and with ``snapshot_reuse_time`` >
+0 a prepared snapshot of the current version is also served to requests that arrive that long after
+it was taken (the averager uses 0: a fresh copy per request, like hivemind). When the state stays
+locked past ``snapshot_timeout`` (an all-reduce in progress), the previous snapshot of the same
+version is served if there is one, and otherwise the request is answered "busy" so that the
+newcomer moves on at once; the snapshot keeps being taken in the background.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,10 +54,10 @@ StateTuple = tuple[Any, Sequence[torch.Tensor]] | tuple[Any, Sequence[torch.Tens
 StateGetter = Callable[[], StateTuple]
 """Returns ``(metadata, tensors)`` or, like hivemind's ``get_current_state``, ``(metadata, tensors, infos)``.
 
-Called in a worker thread of the donor, so it must be thread-safe (take the averager's lock). The
-tensors must be a snapshot: they are read after the call returns, while training goes on, so they
-must not be modified in place afterwards (copies taken under the lock). The donor never writes
-into them. ``metadata`` must be msgpack-serializable.
+Called in a worker thread of the donor, once per snapshot, so it must be thread-safe. The tensors
+may be live (changed in place by training afterwards): the donor copies them right after the call,
+holding the donor's ``state_lock`` if it was given one, so they are consistent if whoever changes
+them holds that lock too. The donor never writes into them. ``metadata`` must be msgpack-serializable.
 """
 
 
@@ -113,6 +121,15 @@ def encode_chunk(codec: Codec, part: torch.Tensor, info: CompressionInfo) -> Com
         raise
 
 
+def copy_state(state: StateTuple, lock: AbstractContextManager[Any] | None = None) -> StateTuple:
+    """``state`` with every tensor copied (contiguous, on its own device), all under ``lock``: one
+    moment's state, which nobody else writes into, so it can be encoded and hashed at leisure."""
+    metadata, tensors, infos = _unpack_state(state)
+    with lock if lock is not None else contextlib.nullcontext():
+        copies = [tensor.detach().clone(memory_format=torch.contiguous_format) for tensor in tensors]
+    return metadata, copies, infos
+
+
 def _unpack_state(state: Any) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo] | None]:
     if not isinstance(state, tuple | list) or len(state) not in (2, 3):
         raise ProtocolError(f"get_state must return (metadata, tensors[, infos]), got {type(state).__name__}")
@@ -128,16 +145,32 @@ def _unpack_state(state: Any) -> tuple[Any, Sequence[torch.Tensor], Sequence[Com
 @dataclass(eq=False)
 class _Job:
     version: int
-    taken: asyncio.Event  # set once get_state has returned (the averager's lock is released)
-    result: asyncio.Future[PreparedState]
+    taken: asyncio.Event  # set once the state is copied (the averager's lock is released)
+    result: asyncio.Future[PreparedState] = field(init=False)  # set right after the job is made
+    started_at: float | None = None  # time.monotonic() when get_state was called (set by the worker)
+
+    def reads_state_after(self, moment: float) -> bool:
+        """Whether this job reads the state at or after ``moment`` (so it may serve a request made then)."""
+        started_at = self.started_at  # one read: the worker thread sets it
+        return started_at is None or started_at >= moment
+
+
+def _last_or_busy(last: PreparedState | None, version: int, snapshot_timeout: float) -> PreparedState:
+    """What to serve when the state stays locked: the last snapshot of this version, else "busy"."""
+    if last is not None and last.version == version:
+        return last  # the averager holds its lock: serve what we have rather than nothing
+    raise DonorBusyError(f"the state is locked (averaging in progress?) for more than {snapshot_timeout} s")
 
 
 class SnapshotCache:
     """Prepared snapshots for the download handler: at most one being taken, the last one kept.
 
-    :param executor: runs ``get_state`` and the encoding; one worker is enough, since one snapshot
-      is taken at a time. Its owner shuts it down (a thread stuck in ``get_state`` cannot be killed,
-      only abandoned).
+    :param executor: runs ``get_state``, the copy and the encoding; one worker is enough, since one
+      snapshot is taken at a time. Its owner shuts it down (a thread stuck in ``get_state`` cannot be
+      killed, only abandoned).
+    :param reuse_time: a snapshot serves requests made up to this many seconds after it was taken
+      (0: every request gets a copy taken after it arrived)
+    :param state_lock: held while the tensors ``get_state`` returned are copied (the averager's lock)
     """
 
     def __init__(
@@ -148,41 +181,48 @@ class SnapshotCache:
         chunk_bytes: int,
         reuse_time: float,
         executor: concurrent.futures.Executor,
+        state_lock: AbstractContextManager[Any] | None = None,
     ) -> None:
         self._get_state, self._codec, self._chunk_bytes = get_state, codec, chunk_bytes
-        self._reuse_time, self._executor = reuse_time, executor
+        self._reuse_time, self._executor, self._state_lock = reuse_time, executor, state_lock
         self._last: PreparedState | None = None
         self._job: _Job | None = None
         self.snapshots_taken = 0
 
     async def get(self, version: int, *, snapshot_timeout: float, deadline: float) -> PreparedState:
-        """A prepared snapshot of ``version``: reused, or newly taken.
+        """A prepared snapshot of ``version``, taken at most ``reuse_time`` before this call.
 
-        A request that arrives while a snapshot is being taken waits for that one; if it was started
-        for an older version, one more is taken afterwards.
+        A request that arrives while a snapshot is being taken waits for that one if it reads the
+        state late enough; otherwise (or if it was started for an older version) one more is taken
+        after it.
 
         :raises DonorBusyError: ``get_state`` did not return within ``snapshot_timeout`` and there is
           no previous snapshot of this version to serve instead.
         """
+        requested_at = time.monotonic()
         snapshot_deadline = min(deadline, now() + snapshot_timeout)
-        for _ in range(2):
+        prepared: PreparedState | None = None
+        for _ in range(3):  # join or wait out the job in flight, then take one's own
             self._collect_finished_job()
             last = self._last
             if last is not None and last.version == version and time.monotonic() - last.created_at <= self._reuse_time:
                 return last
             job = self._job if self._job is not None else self._start(version)
-            try:
+            if not job.reads_state_after(requested_at - self._reuse_time):
+                # it read the state before this request: let it finish, then take one of our own
+                with contextlib.suppress(DeadlineExceededError):  # its failure is not this request's
+                    await wait_until(asyncio.wait([job.result]), snapshot_deadline, "the previous snapshot")
+                if job.result.done():
+                    continue
+                return _last_or_busy(last, version, snapshot_timeout)
+            with contextlib.suppress(DeadlineExceededError):
                 await wait_until(job.taken.wait(), snapshot_deadline, "taking a state snapshot")
-            except DeadlineExceededError:
-                if last is not None and last.version == version:
-                    return last  # the averager holds its lock: serve what we have rather than nothing
-                raise DonorBusyError(
-                    f"the state is locked (averaging in progress?) for more than {snapshot_timeout} s"
-                ) from None
+            if not job.taken.is_set():
+                return _last_or_busy(last, version, snapshot_timeout)
             prepared = await wait_until(asyncio.shield(job.result), deadline, "encoding the state")
             if prepared.version >= version:
                 return prepared
-        return prepared
+        return prepared if prepared is not None else _last_or_busy(self._last, version, snapshot_timeout)
 
     def _collect_finished_job(self) -> None:
         """Applies a finished job now: its done-callback may not have run yet when a waiter resumes
@@ -195,12 +235,14 @@ class SnapshotCache:
         taken = asyncio.Event()
 
         def take_and_prepare() -> PreparedState:
-            state = self._get_state()
+            job.started_at = time.monotonic()
+            state = copy_state(self._get_state(), self._state_lock)
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(taken.set)
             return prepare_state(state, version, self._codec, self._chunk_bytes)
 
-        job = _Job(version, taken, loop.run_in_executor(self._executor, take_and_prepare))
+        job = _Job(version, taken)
+        job.result = loop.run_in_executor(self._executor, take_and_prepare)
         job.result.add_done_callback(lambda future: self._finish(job, future))
         self._job = job
         return job

@@ -1,0 +1,150 @@
+"""DecentralizedAverager behaves as hivemind's does where scripts can see it (issue 10): the exception
+types a failed step raises, ``mode``, state download of live tensors, and float16 averaging error.
+Real DHTs and libp2p daemons on 127.0.0.1; the bounds are those of hivemind's own tests."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging.allreduce import AveragingMode as HivemindAveragingMode
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
+from swarm import local_swarm
+
+from hivemind_ext.averaging import AveragingMode, DecentralizedAverager
+from hivemind_ext.errors import AllreduceError, MatchmakingError
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+CLIENT = 2  # the swarm's client-mode DHT
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[hivemind.DHT]]:
+    with local_swarm(3, client_indices=[CLIENT]) as dhts:
+        yield dhts
+
+
+def fresh_prefix() -> str:
+    return f"hivemind-behaviour-{next(_prefixes)}"
+
+
+# ----- item 5: `except AllreduceException` catches a failed step
+
+
+def test_our_round_errors_are_hiveminds_exception_types() -> None:
+    for error in (MatchmakingError, AllreduceError):
+        assert issubclass(error, AllreduceException) and issubclass(error, MatchmakingException)
+
+
+def test_a_step_without_a_group_raises_allreduce_exception(swarm: list[hivemind.DHT]) -> None:
+    """hivemind's test_too_few_peers: a lonely step with timeout=2 raises AllreduceException."""
+    averager = DecentralizedAverager(
+        [torch.randn(3)], swarm[0], prefix=fresh_prefix(), target_group_size=2, request_timeout=0.5, start=True
+    )
+    try:
+        control = averager.step(wait=False, timeout=2)
+        with pytest.raises(AllreduceException):
+            control.result(timeout=30)
+        with pytest.raises(AllreduceException):
+            averager.step(timeout=1)
+    finally:
+        averager.shutdown()
+
+
+# ----- item 2 (part): DecentralizedAverager.mode
+
+
+def test_mode_is_hiveminds_averaging_mode(swarm: list[hivemind.DHT]) -> None:
+    prefix = fresh_prefix()
+    node = DecentralizedAverager([torch.zeros(3)], swarm[0], prefix=prefix, start=False)
+    aux = DecentralizedAverager([torch.zeros(3)], swarm[1], prefix=prefix, auxiliary=True, start=False)
+    client = DecentralizedAverager([torch.zeros(3)], swarm[CLIENT], prefix=prefix, start=False)  # from the DHT
+    forced = DecentralizedAverager([torch.zeros(3)], swarm[0], prefix=prefix, client_mode=True, start=False)
+    assert [a.mode for a in (node, client, aux, forced)] == [
+        AveragingMode.NODE,
+        AveragingMode.CLIENT,
+        AveragingMode.AUX,
+        AveragingMode.CLIENT,
+    ]
+    # scripts compare with hivemind's enum (hivemind's test_allreduce_once: `averager.mode != AveragingMode.AUX`)
+    assert client.mode == HivemindAveragingMode.CLIENT and HivemindAveragingMode.AUX == aux.mode
+    assert node.mode != HivemindAveragingMode.AUX and aux.mode != HivemindAveragingMode.NODE
+    assert {HivemindAveragingMode.NODE: "node"}[node.mode] == "node"
+    assert [m.value for m in AveragingMode] == [m.value for m in HivemindAveragingMode]
+
+
+# ----- item 6: state download of live tensors
+
+
+class LiveStateAverager(DecentralizedAverager):
+    """hivemind's documented pattern: get_current_state returns the live tensors, which training
+    changes in place under get_tensors()."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.calls = 0
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self) -> tuple[Any, Any, Any]:
+        self.calls += 1
+        with self.get_tensors() as tensors:
+            return {"kind": "live"}, tensors, self.tensor_infos
+
+
+def test_state_download_of_live_tensors_is_a_consistent_copy(swarm: list[hivemind.DHT]) -> None:
+    prefix = fresh_prefix()
+    # 2 x 6 MiB: several chunks of 4 MiB, so a torn copy shows up as a chunk whose digest does not match
+    live = [torch.zeros(1_500_000), torch.zeros(1_500_000)]
+    donor = LiveStateAverager(live, swarm[0], prefix=prefix, target_group_size=2, start=True)
+    joiner = DecentralizedAverager(
+        [torch.zeros(1_500_000), torch.zeros(1_500_000)],
+        swarm[1],
+        prefix=prefix,
+        target_group_size=2,
+        allow_state_sharing=False,
+        start=True,
+    )
+    stop = threading.Event()
+
+    def train() -> None:  # every tensor holds one value, the same in all of them, at every moment
+        for value in itertools.count(1):
+            if stop.is_set():
+                return
+            with donor.get_tensors() as tensors:
+                for tensor in tensors:
+                    tensor.fill_(float(value))
+            time.sleep(0.001)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    try:
+        deadline = time.monotonic() + 20
+        while joiner.load_state_from_peers(timeout=10) is None:  # until the donor is advertised
+            assert time.monotonic() < deadline, "the donor never showed up"
+            time.sleep(0.2)
+        trainer.start()
+        calls_before, seen = donor.calls, set()
+        for attempt in range(4):
+            loaded = joiner.load_state_from_peers(timeout=30)
+            assert loaded is not None, f"download {attempt} failed"
+            metadata, tensors = loaded
+            assert metadata == {"kind": "live"}
+            values = {float(v) for tensor in tensors for v in tensor.unique()}
+            assert len(values) == 1, f"download {attempt} mixes moments: {sorted(values)[:8]}"
+            seen |= values
+        # hivemind calls get_current_state once per download, and each download is as of its request
+        assert donor.calls - calls_before == 4
+        assert len(seen) == 4
+    finally:
+        stop.set()
+        if trainer.is_alive():
+            trainer.join(timeout=10)
+        joiner.shutdown()
+        donor.shutdown()
