@@ -231,8 +231,8 @@ def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algo
     impl = impl_class(context)
     results: list[bool] = []
     impl.on_average_result = lambda succeeded, report=None: results.append(succeeded)
-    runner = AlgorithmRunner(impl)
-    averager = runner._averagers[(runner.stage, -1)] = _Averager()
+    averager = _Averager()
+    runner = AlgorithmRunner(impl, averager_factory=lambda position, buckets: averager)
     before = [bucket.flat.clone() for bucket in runner.buckets]
     started = get_dht_time()
     runner.average(runner.buckets)

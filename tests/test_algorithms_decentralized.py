@@ -214,7 +214,7 @@ def test_bad_pushes_are_refused_and_change_nothing() -> None:
 
             def push(impl, message):
                 return impl.runtime.run(
-                    impl._client.call(PeerID.from_base58(target.peer_id), "push", message, timeout=3), timeout=5
+                    impl.rpc_client.call(PeerID.from_base58(target.peer_id), "push", message, timeout=3), timeout=5
                 )
 
             good = NoCompression().compress(torch.ones(numel))

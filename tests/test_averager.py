@@ -102,7 +102,7 @@ def test_direct_data_path_mixed_with_libp2p_peers_reaches_the_mean(swarm: list[h
                 with averager.get_tensors() as tensors:
                     torch.testing.assert_close(tensors[index], sum(expected) / 3, rtol=1e-5, atol=1e-6)
             assert all(averager.last_round.excluded == {} for averager in group)
-        connector = group[0]._service.rpc_client.direct  # white-box: which transport each peer got
+        connector = group[0].rpc_client.direct  # which transport each peer got
         assert connector is not None and not connector.is_failing(group[1].runtime.p2p.peer_id)
         assert connector.is_failing(group[2].runtime.p2p.peer_id)  # fell back to libp2p
         with pytest.raises(ConfigurationError):
@@ -118,7 +118,7 @@ def test_rounds_reuse_their_scratch_tensors_and_overlapping_rounds_never_share_t
     try:
         originals = [make_tensors(seed) for seed in range(2)]
         step_all(group)
-        scratch = [averager._scratch for averager in group]  # white-box: kept for the next round
+        scratch = [averager.scratch_buffers.kept for averager in group]  # kept for the next round
         assert all(buffers is not None for buffers in scratch)
         with group[0].get_tensors() as tensors:
             for tensor in tensors:  # new local values between rounds: the next round averages them
@@ -131,15 +131,17 @@ def test_rounds_reuse_their_scratch_tensors_and_overlapping_rounds_never_share_t
                 with averager.get_tensors() as tensors:
                     torch.testing.assert_close(tensors[index], expected, rtol=1e-5, atol=1e-6)
         for averager, buffers in zip(group, scratch, strict=True):
-            assert averager._scratch is buffers  # the second round used the same tensors
+            assert averager.scratch_buffers.kept is buffers  # the second round used the same tensors
             with averager.get_tensors() as tensors:
                 assert all(t.data_ptr() not in {b.data_ptr() for b in (*buffers[0], *buffers[1])} for t in tensors)
-        lent = group[0]._round_buffers()  # a round holds them: an overlapping round gets its own
-        overlapping = group[0]._round_buffers()
-        pointers = {t.data_ptr() for t in (*lent[0], *lent[1])}
-        assert not pointers & {t.data_ptr() for t in (*overlapping[0], *overlapping[1])}
-        group[0]._release_buffers(lent)
-        assert group[0]._round_buffers() is lent
+        pool = group[0].scratch_buffers
+        with group[0].get_tensors() as tensors:
+            lent = pool.lend(tensors)  # a round holds them: an overlapping round gets its own
+            overlapping = pool.lend(tensors)
+            pointers = {t.data_ptr() for t in (*lent[0], *lent[1])}
+            assert not pointers & {t.data_ptr() for t in (*overlapping[0], *overlapping[1])}
+            pool.give_back(lent)
+            assert pool.lend(tensors) is lent
     finally:
         shutdown_all(group)
 

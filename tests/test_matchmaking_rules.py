@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 from hivemind.p2p import PeerID
@@ -372,23 +373,48 @@ def test_group_info_finds_members_and_converts_peer_ids() -> None:
     assert converted.index_of(converted.peer_ids[0]) == 0
 
 
+GROUP_ID = "ab" * 16  # a well-formed group id (16 bytes, hex)
+
+
+class _CommitBoard:
+    """The matchmaker's DHT seam (``dht_calls=``), standing in for the DHT and its node: every store
+    "fails" (as a timed-out or refused store does) and a read shows the commit if ``visible``."""
+
+    def __init__(self, visible: bool) -> None:
+        self.visible = visible
+        self.exchanges: list[tuple[tuple, bool]] = []  # (the records stored, whether the board was read)
+        self._stored: tuple = ()
+
+    def is_alive(self) -> bool:
+        return True
+
+    async def run_coroutine(self, request, *, timeout: float | None = None, deadline: float | None = None):
+        self._stored = ()
+        stored, entries = await request(self, self)  # runs as it would inside the DHT process
+        self.exchanges.append((self._stored, entries is not None))
+        return stored, entries
+
+    async def store_many(self, keys: list, values: list, expirations: list, subkeys: list) -> dict:
+        self._stored = tuple(subkeys)
+        return {key: False for key in keys}  # the store "failed"
+
+    async def get(self, key: str, latest: bool = True) -> SimpleNamespace | None:
+        if not self.visible:
+            return None
+        record = commit_write(Commit(GROUP_ID, (member(1).key,)), get_dht_time() + 30)
+        item = SimpleNamespace(value=record.value, expiration_time=record.expiration_time)
+        return SimpleNamespace(value={record.subkey: item})
+
+
 def test_a_leader_whose_commit_store_reports_failure_returns_if_the_commit_is_on_the_board() -> None:
     """A store that timed out or was refused by a replica that already held the commit may still
     have landed; members run the group once they read it, so the leader must too."""
-    group = GroupInfo(bytes.fromhex("ab12"), ())
+    group = GroupInfo(bytes.fromhex(GROUP_ID), ())
+    writes = (commit_write(Commit(GROUP_ID, (member(1).key,)), get_dht_time() + 30),)
     for visible, expected, calls in ((True, True, 2), (False, False, 2 * COMMIT_ATTEMPTS)):
-        matchmaker = Matchmaker(MatchmakingConfig(prefix="run", target_group_size=2), dht=None, peer_id=PeerID(b"x"))
-        exchanges: list[tuple[tuple, bool]] = []
-
-        async def exchange(
-            writes: tuple, read: bool, deadline: float, log: list = exchanges, visible: bool = visible
-        ) -> tuple:
-            log.append((writes, read))
-            if not read:
-                return False, None  # the store "failed"
-            commits = {"ab12": Commit("ab12", ())} if visible else {}
-            return True, Board(commits=commits)
-
-        matchmaker._exchange = exchange  # type: ignore[method-assign]
-        committed = asyncio.run(matchmaker._commit(("commit",), group, deadline=get_dht_time() + 30))  # type: ignore[arg-type]
+        board = _CommitBoard(visible)
+        config = MatchmakingConfig(prefix="run", target_group_size=2)
+        matchmaker = Matchmaker(config, dht=None, peer_id=PeerID(b"x"), dht_calls=board)  # type: ignore[arg-type]
+        committed = asyncio.run(matchmaker.commit(writes, group, deadline=get_dht_time() + 30))
+        exchanges = board.exchanges
         assert committed is expected and len(exchanges) == calls

@@ -202,7 +202,7 @@ def test_late_joiner_downloads_the_state_spread_over_donors_and_trains_in_line(
             for name in ("exp_avg", "exp_avg_sq", "step"):
                 torch.testing.assert_close(value[name], donor_state["state"][key][name], rtol=0, atol=1e-6)
 
-        donor_stats = [t.opt.state_averager._donor.stats for t in trainers]
+        donor_stats = [t.opt.state_averager.donor.stats for t in trainers]
         assert all(stats.chunks_served > 0 for stats in donor_stats), f"not spread over the donors: {donor_stats}"
         assert re.search(r"downloaded state version \d+ .* from 2 donors", caplog.text)
 
@@ -541,8 +541,8 @@ def test_client_mode_peers_contribute_without_serving() -> None:
             opt = trainer.opt
             assert opt.client_mode and opt.grad_averager is not None and opt.grad_averager.client_mode
             assert opt.state_averager.client_mode and not opt.state_averager.allow_state_sharing
-            assert opt.state_averager._donor is None  # it registers no handler and advertises nothing
-        assert all(not t.opt.client_mode and t.opt.state_averager._donor.serving for t in trainers[:2])
+            assert opt.state_averager.donor is None  # it registers no handler and advertises nothing
+        assert all(not t.opt.client_mode and t.opt.state_averager.donor.serving for t in trainers[:2])
 
         group_sizes: list[tuple[int, int]] = []
 

@@ -92,7 +92,7 @@ async def test_direct_stream_reads_ahead_a_bounded_amount_and_delivers_the_rest_
     async def on_connection(reader: DirectStream, writer: asyncio.StreamWriter) -> None:
         try:
             await asyncio.sleep(0.3)  # nobody reads: the stream must stop reading ahead, not buffer 4 MiB
-            buffered = len(reader._buffer)
+            buffered = reader.buffered
             head = await reader.readexactly(16)
             rest = bytearray(len(payload) - 16)
             await reader.readexactly_into(memoryview(rest))

@@ -234,7 +234,7 @@ async def test_server_without_direct_path_falls_back_to_libp2p() -> None:
 async def test_closed_direct_port_falls_back_to_libp2p() -> None:
     async with pair() as peers:
         assert (await peers.whoami()).header["transport"] == "direct"
-        peers.server._direct.stop_accepting()  # the port is closed; the client still holds tickets
+        peers.server.direct_listener.stop_accepting()  # the port is closed; the client still holds tickets
         await asyncio.sleep(0.05)
         assert (await peers.whoami()).header["transport"] == "libp2p"
         assert peers.client.direct.is_failing(peers.peer)
@@ -244,7 +244,7 @@ async def test_closed_direct_port_falls_back_to_libp2p() -> None:
 async def test_silent_direct_listener_falls_back_within_the_connect_timeout() -> None:
     async with pair(client_config=DirectClientConfig(connect_timeout=0.5)) as peers:
         _, port = peers.server.direct_address
-        peers.server._direct.stop_accepting()
+        peers.server.direct_listener.stop_accepting()
         held: list[asyncio.StreamWriter] = []
 
         async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -151,3 +151,43 @@ def test_the_library_has_no_import_cycles() -> None:
     graph = _library_import_graph()
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# private names a test may use, by module: torch's fused ops (torch._foreach_*) and sys._getframe
+_PRIVATE_ALLOWED = {"torch": ("_foreach_",), "sys": ("_getframe",)}
+
+
+def _private_accesses(source: str, filename: str = "<test>") -> list[str]:
+    """Every ``obj._name`` in ``source`` (read, patched or called) except on ``self`` / ``cls`` and the
+    allowed modules' names; dunder names (``obj.__class__``) are not private."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value.id if isinstance(node.value, ast.Name) else None
+        if owner in ("self", "cls") or node.attr.startswith(_PRIVATE_ALLOWED.get(owner or "", ())):
+            continue
+        found.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_private_access_finder_finds_one() -> None:
+    planted = "group[0]._scratch\nmatchmaker._exchange = fake\naverager.state._donor.stats\n"
+    assert len(_private_accesses(planted)) == 3
+    allowed = "self._lock\ncls._instances\ntorch._foreach_add_(a, b)\nsys._getframe(1)\nx.__class__\n_helper(x)\n"
+    assert _private_accesses(allowed) == []
+    assert len(_private_accesses("torch._C\nsys._current_frames()\n")) == 2  # only the allowed names
+
+
+def test_no_test_reads_or_patches_a_private_attribute() -> None:
+    """Tests go through seams (a faulty-DHT wrapper, a round-driver hook, a constructor argument, a
+    documented read-only property), never through a library object's private attributes, so that
+    the library's insides can change without the tests (issue 9)."""
+    found = [
+        hit
+        for path in sorted(ROOT.joinpath("tests").glob("*.py"))
+        for hit in _private_accesses(path.read_text(), path.name)
+    ]
+    assert not found, "tests reach into private attributes:\n" + "\n".join(found)

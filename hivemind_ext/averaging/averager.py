@@ -36,6 +36,7 @@ from hivemind_ext.averaging.allreduce.service import (
 from hivemind_ext.averaging.control import AveragingMode, AveragingStage, StepControl
 from hivemind_ext.averaging.delta import apply_average
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
+from hivemind_ext.averaging.scratch import RoundBuffers, ScratchBuffers
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
 from hivemind_ext.compression import Codec, CompressionInfo, NoCompression
 from hivemind_ext.compression.resolve import as_codec
@@ -192,7 +193,7 @@ class DecentralizedAverager:
         self._donor: StateDonor | None = None
         self._loader: StateLoader | None = None
         self._averaged_tensors = tensors
-        self._scratch: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _round_buffers
+        self._scratch = ScratchBuffers()  # each round's working tensors, reused from round to round
         self._lock = threading.RLock()  # held while tensors are read or written by either side
         self._runtime: PeerRuntime | None = None
         self._tasks: TaskOwner | None = None  # steps and downloads in flight, cancelled at shutdown
@@ -253,6 +254,23 @@ class DecentralizedAverager:
     def runtime(self) -> PeerRuntime | None:
         """The peer runtime this averager runs on (None unless it runs)."""
         return self._runtime
+
+    @property
+    def rpc_client(self) -> RPCClient | None:
+        """The client this averager's rounds call groupmates with (None unless it runs); its
+        ``direct`` connector tells which groupmates the direct data path failed for."""
+        return self._service.rpc_client if self._service is not None else None
+
+    @property
+    def donor(self) -> StateDonor | None:
+        """What serves this peer's state to newcomers (its ``stats`` and ``serving``); None unless the
+        averager runs, and always None in client mode (a client-mode peer serves nothing)."""
+        return self._donor
+
+    @property
+    def scratch_buffers(self) -> ScratchBuffers:
+        """The tensors this averager's rounds work in, kept from one round to the next (read-only)."""
+        return self._scratch
 
     def is_alive(self) -> bool:
         runtime = self._runtime
@@ -492,10 +510,10 @@ class DecentralizedAverager:
             finally:
                 self._awaiting_trigger.pop(group.group_id, None)
         control.stage = AveragingStage.RUNNING_ALLREDUCE
-        buffers: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        buffers: RoundBuffers = ([], [])
         if not self.auxiliary:
             with self._lock:
-                buffers = self._round_buffers()
+                buffers = self._scratch.lend(self._averaged_tensors)
                 for buffer, tensor in zip(buffers[0], self._averaged_tensors, strict=True):
                     buffer.copy_(tensor.detach())
         start_values, outputs = buffers
@@ -525,7 +543,7 @@ class DecentralizedAverager:
                 self.last_updated = get_dht_time()
         finally:  # run_round returns (or raises) only once nothing writes into the outputs any more
             if start_values:
-                self._release_buffers(buffers)
+                self._scratch.give_back(buffers)  # one assignment: no lock (a user may hold it a while)
         self.last_round = RoundReport(
             group_size=group.size,
             contributors=tuple(tuple(str(p) for p in part) for part in result.contributors),
@@ -535,33 +553,6 @@ class DecentralizedAverager:
             seconds=get_dht_time() - started,
         )
         return result.gathered
-
-    def _round_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Scratch tensors like the averaged tensors (call with the lock held): the values at the
-        round's start (the all-reduce's inputs), and the all-reduce's outputs. They are kept from
-        round to round and lent to one round at a time (:meth:`_release_buffers` gives them back);
-        a round that overlaps another one gets fresh tensors.
-
-        Reused because fresh memory is expensive: filling a new 64 MiB tensor page-faults 16,384
-        times, which took 7x longer than copying into one already paged in (27 ms vs 4 ms on the
-        benchmark machine), and a round needed three of them per averaged tensor.
-        """
-        tensors, buffers = self._averaged_tensors, self._scratch
-        if buffers is not None and all(
-            (b.shape, b.dtype, b.device) == (t.shape, t.dtype, t.device)
-            for group in buffers
-            for b, t in zip(group, tensors, strict=True)
-        ):
-            self._scratch = None  # lent: an overlapping round must not write into them
-            return buffers
-        return (
-            [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors],
-            [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors],
-        )
-
-    def _release_buffers(self, buffers: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
-        """Keeps a finished round's scratch tensors for the next round (the all-reduce wrote its last)."""
-        self._scratch = buffers
 
     def _on_early_stream(self, group_id: bytes) -> None:
         control = self._awaiting_trigger.get(group_id)

@@ -130,6 +130,11 @@ class DirectStream(asyncio.BufferedProtocol):
     def at_eof(self) -> bool:
         return self._eof and not self._buffer
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet read (reading ahead pauses once this passes the limit)."""
+        return len(self._buffer)
+
     async def read(self, n: int) -> bytes:
         """Up to ``n`` bytes as soon as any are available; b"" at end of stream."""
         while not self._buffer:

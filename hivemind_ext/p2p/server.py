@@ -207,6 +207,12 @@ class RPCServer:
             return None
         return self._direct.config.advertised_host, self._direct.port
 
+    @property
+    def direct_listener(self) -> DirectListener | None:
+        """The direct data path's listener (None if it is not enabled); ``stop_accepting()`` on it
+        closes the port while the server keeps serving over libp2p."""
+        return self._direct
+
     async def remove(self, name: str, *, timeout: float = DEFAULT_CONTROL_TIMEOUT) -> None:
         """Stops accepting new calls to ``name`` (calls in progress run to completion)."""
         route = self._routes.pop(name, None)

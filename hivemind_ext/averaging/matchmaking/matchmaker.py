@@ -212,7 +212,7 @@ class Matchmaker:
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
                     state = result.state  # before the writes: if they are cancelled, withdraw from the new state
                     if result.group is not None:
-                        if not await self._commit(result.writes, result.group, declaration.deadline):
+                        if not await self.commit(result.writes, result.group, declaration.deadline):
                             # members would never read the commit; withdrawing abandons it
                             raise MatchmakingError("the group's commit could not be stored in the DHT")
                         return result.group
@@ -229,8 +229,10 @@ class Matchmaker:
             self._withdraw(state)
             raise
 
-    async def _commit(self, writes: tuple[Write, ...], group: GroupInfo, deadline: float) -> bool:
+    async def commit(self, writes: tuple[Write, ...], group: GroupInfo, deadline: float) -> bool:
         """Stores the leader's commit; True once the store succeeded or the commit is on the board.
+        (The leader's last protocol step, run by :meth:`look_for_group`; public so that it can be
+        tested alone, through a DHT that the constructor's ``dht_calls`` stands for.)
 
         Reading it back is the test that matters (members return a group when they read its commit),
         and a failed store does not mean it is absent: a store that waits for a slow replica may

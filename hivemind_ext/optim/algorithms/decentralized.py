@@ -160,6 +160,11 @@ class DecentralizedSGDImpl(AlgorithmImpl):
         """The peer runtime this algorithm serves and calls on (shared with the peer's other components)."""
         return self._runtime
 
+    @property
+    def rpc_client(self) -> RPCClient:
+        """The client this algorithm calls its neighbours' handlers with (subscribe, push, ping)."""
+        return self._client
+
     # ----- the Algorithm API
 
     def tensors_to_buckets(self, tensors: Any) -> list:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hivemind.utils import get_dht_time
 
@@ -32,9 +32,22 @@ logger = logging.getLogger(__name__)
 ROUND_ERRORS = (HivemindExtError, TimeoutError, concurrent.futures.TimeoutError, concurrent.futures.CancelledError)
 
 
+# (position, buckets) -> the averager of that position's rounds (see AlgorithmRunner)
+AveragerFactory = Callable[[int, list[Bucket]], DecentralizedAverager]
+
+
 class AlgorithmRunner:
-    def __init__(self, impl: AlgorithmImpl) -> None:
+    """Runs ``impl``'s hooks and operations.
+
+    :param averager_factory: builds the averager of one (stage, position) when its first round
+        starts, from the position (-1 for :meth:`average`) and its buckets; by default a
+        :class:`~hivemind_ext.averaging.DecentralizedAverager` on the context's DHT. A seam for
+        tests: a stand-in averager runs the runner's rounds without a network.
+    """
+
+    def __init__(self, impl: AlgorithmImpl, *, averager_factory: AveragerFactory | None = None) -> None:
         self.impl = impl
+        self._make_averager: AveragerFactory = averager_factory or self._new_averager
         self.stage = 0
         self.buckets: list[Bucket] = []
         self.rounds = 0  # all-reduce rounds run (for tests and benchmarks)
@@ -133,14 +146,17 @@ class AlgorithmRunner:
     def _averager(self, position: int, buckets: list[Bucket]) -> DecentralizedAverager:
         key = (self.stage, position)
         averager = self._averagers.get(key)
-        if averager is not None:
-            return averager
+        if averager is None:
+            averager = self._averagers[key] = self._make_averager(position, buckets)
+        return averager
+
+    def _new_averager(self, position: int, buckets: list[Bucket]) -> DecentralizedAverager:
         ops = [b.ops[position] if position >= 0 else AverageOp() for b in buckets]
         codecs = {
             b.name: as_codec(op.codec if op.codec is not None else NoCompression())
             for b, op in zip(buckets, ops, strict=True)
         }
-        averager = DecentralizedAverager(
+        return DecentralizedAverager(
             [b.flat for b in buckets],
             self.context.dht,
             start=True,
@@ -150,8 +166,6 @@ class AlgorithmRunner:
             allow_state_sharing=False,
             **self.context.averager_options,
         )
-        self._averagers[key] = averager
-        return averager
 
     def _close_averagers(self) -> None:
         for averager in self._averagers.values():
