@@ -12,13 +12,14 @@ user made to the tensors during the round are kept.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from hivemind import DHT
@@ -33,6 +34,8 @@ from hivemind_ext.averaging.allreduce.service import (
 )
 from hivemind_ext.averaging.control import AveragingStage, StepControl
 from hivemind_ext.averaging.delta import apply_average
+from hivemind_ext.averaging.matchmaking.group import GroupInfo
+from hivemind_ext.averaging.matchmaking.group_key import check_group_bits, next_group_bits_of
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
 from hivemind_ext.compression import Codec, CompressionInfo, NoCompression
@@ -50,6 +53,7 @@ from hivemind_ext.runtime import LoopThread
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 NO_DEADLINE = 365 * 24 * 3600.0  # "no timeout": a step still gives up eventually
 
 
@@ -74,6 +78,8 @@ class DecentralizedAverager:
     :param prefix: peers average only with peers that use the same prefix
     :param target_group_size: a group forms as soon as this many peers are ready
     :param min_group_size: after ``min_matchmaking_time``, a group of at least this many forms
+    :param initial_group_bits: a string of '0' and '1': peers only average with peers whose prefix and
+      group bits are the same; the bits move after every round (see :meth:`get_group_bits`)
     :param min_matchmaking_time: how long to wait for a full group (when step() has no scheduled_time)
     :param request_timeout: how long a peer may take to answer during matchmaking
     :param averaging_alpha: step size toward the average (1.0 = replace by the average)
@@ -128,7 +134,8 @@ class DecentralizedAverager:
         shutdown_timeout: float = 5,
         direct_data_path: str | None = None,
     ):
-        del initial_group_bits, min_vector_size, daemon  # hivemind internals with no meaning here
+        del min_vector_size, daemon  # hivemind internals with no meaning here
+        self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
         tensors = list(averaged_tensors)
         _check_tensors(tensors)
         if client_mode is None:
@@ -308,6 +315,29 @@ class DecentralizedAverager:
             with contextlib.suppress(Exception):
                 self.shutdown()
 
+    # ----- group keys
+
+    def get_group_bits(self, wait: bool = True) -> str | concurrent.futures.Future[str]:
+        """This peer's current group bits (without the prefix); a done future if ``wait`` is False.
+
+        Peers only group with peers whose prefix and group bits are the same. After every group it
+        joins, a peer with bits moves to the next key of hivemind's rotation (Moshpit averaging, see
+        :mod:`.matchmaking.group_key`), unless :meth:`set_group_bits` sets them again.
+        """
+        return self._group_bits if wait else _done(self._group_bits)
+
+    def set_group_bits(self, group_bits: str, wait: bool = True) -> concurrent.futures.Future[None] | None:
+        """Use these group bits (a string of '0' and '1') from the next search for a group on; a
+        search in progress keeps the key it started with. Returns a done future if ``wait`` is False."""
+        self._group_bits = check_group_bits(group_bits)
+        return None if wait else _done(None)
+
+    def _move_group_bits(self, group: GroupInfo) -> None:
+        """After a group assembled: the next key of the rotation (no-op without group bits)."""
+        me = self._matchmaker.peer_id.to_base58() if self._matchmaker is not None else str(self.peer_id)
+        members, target = [m.peer_id for m in group.members], self.matchmaking_config.target_group_size
+        self._group_bits = next_group_bits_of(self._group_bits, group.group_id, members, me, target)
+
     # ----- tensors and state
 
     @contextlib.contextmanager
@@ -428,7 +458,9 @@ class DecentralizedAverager:
                 deadline=control.deadline,
                 scheduled_time=control.scheduled_time,
                 expected_group_size=control.expected_group_size,
+                group_bits=self._group_bits,
             )
+        self._move_group_bits(group)
         if not control.triggered:
             control.stage = AveragingStage.AWAITING_TRIGGER
             self._awaiting_trigger[group.group_id] = control
@@ -523,6 +555,12 @@ async def replicate_dht_daemon(dht: DHT) -> P2P:
 async def _daemon_listen_maddr(_dht: DHT, node: Any) -> Any:
     """Runs inside the DHT's process: the address its libp2p daemon listens on for clients."""
     return node.p2p.daemon_listen_maddr
+
+
+def _done(value: T) -> concurrent.futures.Future[T]:
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def _settle(control: StepControl, *, result: Any = None, exception: BaseException | None = None) -> None:
