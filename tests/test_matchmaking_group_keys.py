@@ -20,7 +20,13 @@ from hivemind_ext.averaging.matchmaking.group_key import (
     next_group_bits,
 )
 from hivemind_ext.averaging.matchmaking.protocol import Following, Leading, Looking, step
-from hivemind_ext.averaging.matchmaking.timing import SEAL_AHEAD_POLLS, group_start, plan_ahead, seal_time
+from hivemind_ext.averaging.matchmaking.timing import (
+    SEAL_AHEAD_POLLS,
+    SEAL_AHEAD_SHARE,
+    group_start,
+    plan_ahead,
+    seal_time,
+)
 from hivemind_ext.errors import ConfigurationError, ProtocolError
 
 # ---------------------------------------------------------------- group keys
@@ -117,8 +123,10 @@ def test_a_declaration_is_planned_as_due_a_little_before_its_scheduled_time() ->
     assert seal_time(declaration(0, declared_at=0.0, ready_at=10.0), cfg) == pytest.approx(
         10.0 - SEAL_AHEAD_POLLS * 0.05
     )
-    # never more than half of the declaration's own wait: short waits keep room for latecomers
-    assert seal_time(declaration(0, declared_at=9.9, ready_at=10.0), cfg) == pytest.approx(9.95)
+    # never more than a share of the declaration's own wait: short waits keep room for latecomers
+    assert seal_time(declaration(0, declared_at=9.9, ready_at=10.0), cfg) == pytest.approx(
+        10.0 - SEAL_AHEAD_SHARE * 0.1
+    )
 
 
 def test_unlimited_target_seals_everyone_ahead_and_starts_at_the_scheduled_time() -> None:

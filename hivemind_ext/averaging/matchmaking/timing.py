@@ -17,8 +17,9 @@ planned ahead.
 
 The price: a peer that starts looking within the lead window of a sealed group's scheduled time
 misses that group (it looks on, with its own scheduled time). The lead is short (at most
-``SEAL_AHEAD_POLLS`` poll intervals, 0.3 s by default) and at most half of the declaration's own
-wait, so peers that start looking a little apart with a short ``min_matchmaking_time`` still meet.
+``SEAL_AHEAD_POLLS`` poll intervals, 0.5 s by default) and at most three quarters of the
+declaration's own wait, so peers that start looking a little apart with a short
+``min_matchmaking_time`` still meet.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from dataclasses import replace
 
 from hivemind_ext.averaging.matchmaking.group import Declaration, MatchmakingConfig, plan_groups
 
-SEAL_AHEAD_POLLS = 6
+SEAL_AHEAD_POLLS = 10
 """At most this many poll intervals before its scheduled time, a declaration is planned as due:
-enough for the seal, the confirmations and the commit (four DHT round trips and the polls between
-them) to be done by the scheduled time."""
+enough for the seal, the confirmations and the commit (seven DHT calls and the polls between them,
+30-60 ms each on a loaded loopback, plus a read that stalls now and then) to be done by the
+scheduled time."""
 
-SEAL_AHEAD_SHARE = 0.5
-"""...and at most this share of the time between its declaration and its scheduled time."""
+SEAL_AHEAD_SHARE = 0.75
+"""...and at most this share of the time between its declaration and its scheduled time, so that
+peers which start looking a little later than the first still make the group."""
 
 
 def seal_time(declaration: Declaration, config: MatchmakingConfig) -> float:
