@@ -14,6 +14,7 @@ user made to the tensors during the round are kept.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -35,6 +36,8 @@ from hivemind_ext.averaging.allreduce.service import (
 )
 from hivemind_ext.averaging.control import AveragingMode, AveragingStage, StepControl
 from hivemind_ext.averaging.delta import apply_average
+from hivemind_ext.averaging.matchmaking.group import GroupInfo
+from hivemind_ext.averaging.matchmaking.group_key import check_group_bits, next_group_bits_of
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
 from hivemind_ext.averaging.scratch import RoundBuffers, ScratchBuffers
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
@@ -82,6 +85,8 @@ class DecentralizedAverager:
     :param prefix: peers average only with peers that use the same prefix
     :param target_group_size: a group forms as soon as this many peers are ready
     :param min_group_size: after ``min_matchmaking_time``, a group of at least this many forms
+    :param initial_group_bits: a string of '0' and '1': peers only average with peers whose prefix and
+      group bits are the same; the bits move after every round (see :meth:`get_group_bits`)
     :param min_matchmaking_time: how long to wait for a full group (when step() has no scheduled_time)
     :param request_timeout: how long a peer may take to answer during matchmaking
     :param averaging_alpha: step size toward the average (1.0 = replace by the average)
@@ -136,7 +141,8 @@ class DecentralizedAverager:
         shutdown_timeout: float = 5,
         direct_data_path: str | None = None,
     ):
-        del initial_group_bits, min_vector_size, daemon  # hivemind internals with no meaning here
+        del min_vector_size, daemon  # hivemind internals with no meaning here
+        self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
         tensors = list(averaged_tensors)
         _check_tensors(tensors)
         if client_mode is None:
@@ -356,6 +362,29 @@ class DecentralizedAverager:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
+    # ----- group keys
+
+    def get_group_bits(self, wait: bool = True) -> str | concurrent.futures.Future[str]:
+        """This peer's current group bits (without the prefix); a done future if ``wait`` is False.
+
+        Peers only group with peers whose prefix and group bits are the same. After every group it
+        joins, a peer with bits moves to the next key of hivemind's rotation (Moshpit averaging, see
+        :mod:`.matchmaking.group_key`), unless :meth:`set_group_bits` sets them again.
+        """
+        return self._group_bits if wait else _done(self._group_bits)
+
+    def set_group_bits(self, group_bits: str, wait: bool = True) -> concurrent.futures.Future[None] | None:
+        """Use these group bits (a string of '0' and '1') from the next search for a group on; a
+        search in progress keeps the key it started with. Returns a done future if ``wait`` is False."""
+        self._group_bits = check_group_bits(group_bits)
+        return None if wait else _done(None)
+
+    def _move_group_bits(self, group: GroupInfo) -> None:
+        """After a group assembled: the next key of the rotation (no-op without group bits)."""
+        me = self._matchmaker.peer_id.to_base58() if self._matchmaker is not None else str(self.peer_id)
+        members, target = [m.peer_id for m in group.members], self.matchmaking_config.target_group_size
+        self._group_bits = next_group_bits_of(self._group_bits, group.group_id, members, me, target)
+
     # ----- tensors and state
 
     @contextlib.contextmanager
@@ -501,7 +530,9 @@ class DecentralizedAverager:
                 deadline=control.deadline,
                 scheduled_time=control.scheduled_time,
                 expected_group_size=control.expected_group_size,
+                group_bits=self._group_bits,
             )
+        self._move_group_bits(group)
         if not control.triggered:
             control.stage = AveragingStage.AWAITING_TRIGGER
             self._awaiting_trigger[group.group_id] = control
@@ -558,6 +589,12 @@ class DecentralizedAverager:
         control = self._awaiting_trigger.get(group_id)
         if control is not None:
             control.mark_groupmate_started()
+
+
+def _done(value: T) -> concurrent.futures.Future[T]:
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def _settle(control: StepControl, *, result: Any = None, exception: BaseException | None = None) -> None:

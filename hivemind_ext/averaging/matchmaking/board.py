@@ -1,13 +1,15 @@
-"""The matchmaking records of one prefix as they lie in the DHT, and their strict parsing.
+"""The matchmaking records of one group key as they lie in the DHT, and their strict parsing.
 
-All records of a prefix live under one DHT key (:func:`board_key`), one subkey per record, so one
+All records of a group key (the prefix, plus the group bits if the peer has any: see
+:mod:`.group_key`) live under one DHT key (:func:`board_key`), one subkey per record, so one
 ``get(key, latest=True)`` returns a whole snapshot, merged by hivemind across the nodes that hold
 the key. Subkeys:
 
 - ``d/<peer>/<attempt>``: the state of one attempt: a declaration while the peer is looking, then
   a marker (``joined`` a group, or ``left``) stored with a later expiration, which hides the
   declaration because the DHT keeps the value that expires last;
-- ``g/<group id>``: a group sealed by its leader;
+- ``g/<group id>``: a group sealed by its leader (with the time its all-reduce starts, if it was
+  sealed ahead of its scheduled time);
 - ``c/<group id>``: the leader's commit of that group.
 
 Anyone can write into the DHT, so every record is validated; a malformed one is skipped (and
@@ -60,7 +62,7 @@ class Marker:
 
 
 def board_key(prefix: str) -> str:
-    """The DHT key that holds all matchmaking records of a prefix (versioned with the wire format)."""
+    """The DHT key that holds all matchmaking records of a group key (versioned with the wire format)."""
     return f"{prefix}.matchmaking.v1"
 
 
@@ -86,7 +88,10 @@ def marker_write(key: PeerKey, group_id: str | None, expiration_time: float) -> 
 
 def sealed_write(group: SealedGroup, expiration_time: float) -> Write:
     members = [[m.peer_id, m.attempt, m.bandwidth, m.client_mode, m.auxiliary] for m in group.members]
-    return Write(f"g/{group.group_id}", {"members": members, "commit_by": group.commit_by}, expiration_time)
+    value: dict[str, Any] = {"members": members, "commit_by": group.commit_by}
+    if _is_finite(group.start_at):  # absent: the group starts as soon as it is committed
+        value["start_at"] = group.start_at
+    return Write(f"g/{group.group_id}", value, expiration_time)
 
 
 def commit_write(commit: Commit, expiration_time: float) -> Write:
@@ -161,7 +166,8 @@ def _parse_sealed(group_id: str, value: dict) -> SealedGroup:
         raise ProtocolError("sealed members must be unique and ordered by peer id")
     if group_id_for(members) != group_id:
         raise ProtocolError("the group id does not match the sealed members")
-    return SealedGroup(group_id, members, _finite(value.get("commit_by"), "commit_by"))
+    start_at = _finite(value["start_at"], "start_at") if "start_at" in value else -math.inf
+    return SealedGroup(group_id, members, _finite(value.get("commit_by"), "commit_by"), start_at)
 
 
 def _parse_commit(group_id: str, value: dict) -> Commit:

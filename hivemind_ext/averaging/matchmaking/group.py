@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
 
+from hivemind_ext.averaging.matchmaking.group_key import check_group_bits
+from hivemind_ext.averaging.matchmaking.group_key import group_key as make_group_key
 from hivemind_ext.errors import ConfigurationError
 
 PeerKey = tuple[str, str]
@@ -61,6 +63,8 @@ class MatchmakingConfig:
     :param client_mode: this peer accepts no incoming connections (it owns no all-reduce part).
     :param auxiliary: this peer brings no tensors and only helps to reduce.
     :param bandwidth: declared to the group for load balancing; ``None``: the group's mean.
+    :param group_bits: this peer's group bits (hivemind's ``initial_group_bits``): peers only group with
+        peers of the same :attr:`group_key`, the prefix plus these bits (see :mod:`.group_key`).
     :param expected_group_size: with ``target_group_size=None``, how many peers this one expects
         (e.g. the live peers of a training run): as soon as that many are looking, they form one
         group at once instead of waiting for the scheduled time. A hint: a wrong value only delays
@@ -77,16 +81,23 @@ class MatchmakingConfig:
     auxiliary: bool = False
     bandwidth: float | None = None
     expected_group_size: int | None = None
+    group_bits: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
             raise ConfigurationError(f"prefix must be a non-empty string, got {self.prefix!r}")
+        check_group_bits(self.group_bits)
         self._check_group_sizes()
         self._check_times()
         if self.client_mode and self.auxiliary:
             raise ConfigurationError("an auxiliary peer must accept connections: it cannot be in client mode")
         if self.bandwidth is not None and not (_is_number(self.bandwidth) and 0 <= self.bandwidth < math.inf):
             raise ConfigurationError(f"bandwidth must be None or a finite non-negative number, got {self.bandwidth!r}")
+
+    @property
+    def group_key(self) -> str:
+        """The key peers group under: only declarations made under the same key are ever grouped."""
+        return make_group_key(self.prefix, self.group_bits)
 
     def _check_group_sizes(self) -> None:
         if self.expected_group_size is not None and (
@@ -143,7 +154,7 @@ class Declaration:
     """A peer that is looking for a group: who it is, how senior it is, and how long it may wait."""
 
     member: Member
-    prefix: str
+    prefix: str  # the group key it declared under (the prefix itself for a peer without group bits)
     declared_at: float  # when the peer started looking (kept across its retries): its seniority
     ready_at: float  # its scheduled time: from then on, a group smaller than the target is acceptable
     deadline: float  # it gives up at this time
@@ -157,6 +168,7 @@ class SealedGroup:
     group_id: str  # hex digest of the member keys, see group_id_for
     members: tuple[Member, ...]
     commit_by: float  # the leader commits at the latest at this time, with whoever confirmed
+    start_at: float = -math.inf  # its all-reduce starts no earlier (a group sealed ahead, see .timing)
 
     @property
     def leader(self) -> Member:
@@ -224,7 +236,7 @@ def is_open(group: SealedGroup, now: float, board: Board) -> bool:
 def looking_peers(now: float, board: Board, config: MatchmakingConfig) -> list[Declaration]:
     """The declarations that may be put into a new group, most senior first.
 
-    Skipped: other prefixes, expired records, peers too close to their deadline, and attempts that
+    Skipped: other group keys, expired records, peers too close to their deadline, and attempts that
     an open sealed group or a commit already claims. A peer seen with several live attempts (an old
     one it failed to withdraw) counts once, with the attempt it refreshed last.
     """
@@ -233,7 +245,7 @@ def looking_peers(now: float, board: Board, config: MatchmakingConfig) -> list[D
     latest: dict[str, Declaration] = {}
     for declaration in board.declarations.values():
         usable = (
-            declaration.prefix == config.prefix
+            declaration.prefix == config.group_key
             and declaration.expiration > now
             and declaration.deadline >= now + POLLS_BEFORE_DEADLINE * config.poll_interval
             and declaration.member.key not in claimed

@@ -10,11 +10,13 @@ Usage (inside the averager's event loop)::
 
 The protocol
 ------------
-All records of a prefix live under one DHT key (see :mod:`.board`); every peer polls it with
+All records of one group key (the prefix, plus the peer's group bits if it has any: see
+:mod:`.group_key`; peers with different keys never meet) live under one DHT key (see :mod:`.board`);
+every peer polls it with
 ``get(key, latest=True)`` every ``poll_interval``, five times as often while a group that includes
 it is being formed and for the first ``EAGER_POLLS`` poll intervals after it starts looking (peers
 of synchronous training start together), and feeds what it read to the pure state machine
-:func:`.group_protocol.step`, which applies the grouping rule of :func:`.group.plan_groups`. Each
+:func:`.protocol.step`, which applies the grouping rule of :func:`.group.plan_groups`. Each
 poll is one call into the DHT process (:func:`_store_then_read`): the step's records are stored in
 one ``store_many`` (one request per replica), and right after a declaration the board is read in
 the same call, so peers that declared at the same moment see each other without waiting a poll.
@@ -133,7 +135,7 @@ __all__ = ["GroupInfo", "Matchmaker", "MatchmakingConfig", "Member"]
 
 
 class Matchmaker:
-    """Finds averaging groups for one peer: the I/O around :func:`.group_protocol.step`.
+    """Finds averaging groups for one peer: the I/O around :func:`.protocol.step`.
 
     :param config: how to look for groups (prefix, group sizes, timeouts, this peer's role).
     :param dht: a running hivemind DHT; the matchmaker only stores and reads records through it.
@@ -147,17 +149,29 @@ class Matchmaker:
         self.config = config
         self.peer_id = peer_id if peer_id is not None else dht.peer_id
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
-        self._key = board_key(config.prefix)
         self._busy = False
 
+    @property
+    def _key(self) -> str:
+        """The board of the current search's group key (see :mod:`.group_key`)."""
+        return board_key(self.config.group_key)
+
     async def look_for_group(
-        self, *, deadline: float, scheduled_time: float | None = None, expected_group_size: int | None = None
+        self,
+        *,
+        deadline: float,
+        scheduled_time: float | None = None,
+        expected_group_size: int | None = None,
+        group_bits: str | None = None,
     ) -> GroupInfo:
         """Wait until this peer is committed to a group, and return it.
 
         :param deadline: DHT time (``hivemind.utils.get_dht_time()``) at which to give up.
         :param scheduled_time: DHT time from which a group smaller than ``target_group_size`` is
-            acceptable; defaults to now + ``min_matchmaking_time`` (capped at the deadline).
+            acceptable; defaults to now + ``min_matchmaking_time`` (capped at the deadline). A group
+            that was sealed ahead of it with every peer that was looking (see :mod:`.timing`) is
+            returned at this time, so that its all-reduce starts on schedule.
+        :param group_bits: look only among peers with these group bits (default: the config's).
         :raises MatchmakingError: no group by the deadline (or another search of this matchmaker
             is still running, or the DHT is shut down).
         :raises ConfigurationError: a time that is not a finite number.
@@ -170,6 +184,8 @@ class Matchmaker:
         try:
             if expected_group_size is not None and expected_group_size != config.expected_group_size:
                 self.config = dataclasses.replace(config, expected_group_size=expected_group_size)
+            if group_bits is not None and group_bits != config.group_bits:
+                self.config = dataclasses.replace(self.config, group_bits=group_bits)
             return await self._look(self._declaration(deadline, scheduled_time))
         finally:
             self.config = config
@@ -192,7 +208,7 @@ class Matchmaker:
             auxiliary=self.config.auxiliary,
         )
         ready_at = min(ready_at, deadline)
-        return Declaration(member, self.config.prefix, declared_at=now, ready_at=ready_at, deadline=deadline)
+        return Declaration(member, self.config.group_key, declared_at=now, ready_at=ready_at, deadline=deadline)
 
     async def _look(self, declaration: Declaration) -> GroupInfo:
         state: State = Looking(declaration)
@@ -201,7 +217,7 @@ class Matchmaker:
             while True:
                 now = get_dht_time()
                 if now >= declaration.deadline:
-                    raise MatchmakingError(f"no averaging group under {self.config.prefix!r} before the deadline")
+                    raise MatchmakingError(f"no averaging group under {self.config.group_key!r} before the deadline")
                 if not self._dht_calls.is_alive():  # its pipe would swallow our requests and never answer
                     raise MatchmakingError("the DHT process is not running")
                 urgent = read_now = False
@@ -212,9 +228,10 @@ class Matchmaker:
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
                     state = result.state  # before the writes: if they are cancelled, withdraw from the new state
                     if result.group is not None:
-                        if not await self.commit(result.writes, result.group, declaration.deadline):
+                        if result.writes and not await self.commit(result.writes, result.group, declaration.deadline):
                             # members would never read the commit; withdrawing abandons it
                             raise MatchmakingError("the group's commit could not be stored in the DHT")
+                        await asyncio.sleep(max(0.0, min(result.start_at, declaration.deadline) - get_dht_time()))
                         return result.group
                     # Having just (re)declared, read at once in the same call: peers that started at the
                     # same moment are on the board by now. After any other write, nobody has answered yet.
@@ -273,7 +290,7 @@ class Matchmaker:
             return not writes, None
         if not stored:
             logger.debug("some of the matchmaking records %s were not stored", [w.subkey for w in writes])
-        board = None if entries is None else parse_board(self.config.prefix, entries, get_dht_time())
+        board = None if entries is None else parse_board(self.config.group_key, entries, get_dht_time())
         return stored, board
 
     def _withdraw(self, state: State) -> None:

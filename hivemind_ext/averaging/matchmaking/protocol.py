@@ -28,8 +28,8 @@ from hivemind_ext.averaging.matchmaking.group import (
     is_open,
     is_viable,
     looking_peers,
-    plan_groups,
 )
+from hivemind_ext.averaging.matchmaking.timing import plan_ahead
 
 RECORD_LIFETIME = 3  # in request timeouts: outlives the longest wait on a sealed group (commit_by + 1)
 REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left
@@ -68,12 +68,14 @@ State = Looking | Leading | Following
 class Step:
     """What one step decided: the next state, records to store first (in this order), the group once
     it is final, and whether the board is about to change (a group is being formed with this peer),
-    so that the next read should come sooner than ``poll_interval``."""
+    so that the next read should come sooner than ``poll_interval``. A final group's all-reduce
+    starts no earlier than ``start_at`` (a group sealed ahead of its scheduled time)."""
 
     state: State
     writes: tuple[Write, ...] = ()
     group: GroupInfo | None = None
     urgent: bool = False
+    start_at: float = -math.inf
 
 
 def step(state: State, now: float, board: Board, config: MatchmakingConfig) -> Step:
@@ -113,13 +115,14 @@ def _step_looking(me: Declaration, now: float, board: Board, config: Matchmaking
     me, refresh = _refresh(me, now, config)
     overlay = {**board.declarations, me.member.key: me}  # my own declaration, even before the DHT shows it
     peers = looking_peers(now, replace(board, declarations=overlay), config)
-    mine = next((group for group in plan_groups(now, peers, config) if me in group), None)
+    planned = plan_ahead(now, peers, config)
+    mine, start_at = next(((group, start) for group, start in planned if me in group), (None, now))
     if mine is None or mine[0].member != me.member:
         # In a planned group: its leader seals soon. Just started looking: peers that start at the same
         # moment (as in synchronous training) are declaring right now. Either way, read again soon.
         eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
         return Step(Looking(me), refresh, urgent=mine is not None or eager)
-    sealed = _seal(mine, now, config)
+    sealed = _seal(mine, now, config, start_at)
     joined, confirm = _mark(me, sealed.group_id, now, config)
     writes = (sealed_write(sealed, _record_expiration(now, config)), confirm)
     return Step(Leading(joined, sealed), writes, urgent=True)
@@ -138,7 +141,7 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
     commit = commit_write(Commit(group.group_id, tuple(m.key for m in members)), _record_expiration(now, config))
     if not members:
         return _retry(state.declaration, now, config, (commit,))
-    return Step(state, (commit,), GroupInfo(bytes.fromhex(group.group_id), members))
+    return Step(state, (commit,), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
 
 
 def _step_following(state: Following, now: float, board: Board, config: MatchmakingConfig) -> Step:
@@ -148,7 +151,7 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
         keys = set(commit.members)
         if me.member.key in keys:
             members = tuple(m for m in group.members if m.key in keys)
-            return Step(state, (), GroupInfo(bytes.fromhex(group.group_id), members))
+            return Step(state, (), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
         return _retry(me, now, config, ())
     if now > group.commit_by + config.request_timeout:  # the leader is gone: leave, so a late commit skips me
         _, left = _mark(me, None, now, config)
@@ -156,11 +159,11 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
     return Step(state, urgent=True)
 
 
-def _seal(group: tuple[Declaration, ...], now: float, config: MatchmakingConfig) -> SealedGroup:
+def _seal(group: tuple[Declaration, ...], now: float, config: MatchmakingConfig, start_at: float) -> SealedGroup:
     members = tuple(d.member for d in group)
     # Commit before the first member's deadline, leaving it one poll to read the commit.
     commit_by = min(now + config.request_timeout, min(d.deadline for d in group) - config.poll_interval)
-    return SealedGroup(group_id_for(members), members, commit_by)
+    return SealedGroup(group_id_for(members), members, commit_by, start_at if start_at > now else -math.inf)
 
 
 def _retry(me: Declaration, now: float, config: MatchmakingConfig, writes: tuple[Write, ...]) -> Step:
