@@ -87,9 +87,11 @@ Failure modes
   initial peers, and the multi-peer tests check that every DHT reads every other DHT's stores
   before they start matchmaking. Records live under one key read with ``latest=True``, which merges
   the answers of all nodes that hold it, so within one connected DHT no peer misses the board.
-- *Large swarms.* Every poll reads the whole board of the prefix (a few hundred bytes per peer
-  and per recent attempt) from the nodes that hold its key. That is cheap for tens of peers; for
-  hundreds, the board should be sharded the way hivemind shards with group bits (not done yet).
+- *Large swarms.* Every poll reads the whole board of the group key (a few hundred bytes per peer
+  and per recent attempt) from the nodes that hold it. Without group bits that is every peer of
+  the prefix: cheap for tens of peers. Group bits (``initial_group_bits``, ``set_group_bits``)
+  split the board into one per key, as hivemind does; choosing them automatically as the swarm
+  grows is not done yet (issue 14).
 - *Hostile writers.* The DHT is open: records are validated and malformed ones skipped, but a peer
   can still declare false roles or seal groups for others (as in hivemind, matchmaking is not
   authenticated).
