@@ -272,7 +272,9 @@ class Bucket:
 class AlgorithmImpl:
     """An algorithm bound to one optimizer. The defaults implement synchronous gradient averaging
     through the generic machinery: accumulate sample-weighted gradients, average them when the
-    swarm reaches ``target_batch_size`` (weighted by samples), step the wrapped optimizer."""
+    swarm reaches ``target_batch_size`` (weighted by samples), step the wrapped optimizer. (The
+    built-in default, :class:`~.sync_gradients.SyncGradientsImpl`, does the same with hivemind's
+    refinements: pre-scheduled rounds, delayed steps, offloading; it runs its own steps.)"""
 
     #: False: an AlgorithmRunner drives this implementation's hooks and bucket operations (its engine);
     #: True: the implementation is a :class:`StepEngine` itself and owns its round scheduling and
