@@ -163,12 +163,9 @@ class Optimizer(torch.optim.Optimizer):
         self._param_group_ids: list[int] = []
         # what torch.optim.Optimizer's own methods and hooks expect to find
         self.defaults = dict(getattr(self.state_manager.optimizer, "defaults", {}))
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        for hooks in ("step", "load_state_dict", "state_dict"):
+            setattr(self, f"_optimizer_{hooks}_pre_hooks", OrderedDict())
+            setattr(self, f"_optimizer_{hooks}_post_hooks", OrderedDict())
         self._first_step = True
         self._blocked_seconds = 0.0  # time step() spent downloading the state (the engine counts its own)
         self._started: list[Any] = []  # what shutdown() must stop, in start order
