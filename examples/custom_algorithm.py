@@ -102,7 +102,7 @@ def train(index: int, dht: hivemind.DHT, args: argparse.Namespace, results: dict
             loss.backward()
             opt.step()
             opt.zero_grad()
-        runner = opt._runner
+        runner = opt.algorithm_runner
         results[index] = (accuracy(model, data.test_x, data.test_y), runner.rounds, runner.failed_rounds)
     finally:
         opt.shutdown()

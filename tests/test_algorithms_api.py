@@ -14,7 +14,13 @@ from swarm import local_swarm
 
 import hivemind_ext
 from hivemind_ext.errors import MatchmakingError
-from hivemind_ext.optim.algorithms import Algorithm, AlgorithmImpl, GradientAllReduce
+from hivemind_ext.optim.algorithms import (
+    Algorithm,
+    AlgorithmImpl,
+    GradientAllReduce,
+    LocalUpdatesImpl,
+    SyncGradientsImpl,
+)
 from hivemind_ext.optim.algorithms.qadam import adam_update_, frozen_variance_floor
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
 from hivemind_ext.optim.rounds import RoundDriver, RoundHooks
@@ -65,6 +71,43 @@ class GenericSync(Algorithm):
 
     def reify(self, context):
         return AlgorithmImpl(context)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("options", "engine_class"),
+    [
+        (dict(), SyncGradientsImpl),
+        (dict(algorithm=GradientAllReduce()), SyncGradientsImpl),
+        (dict(use_local_updates=True), LocalUpdatesImpl),
+        (dict(algorithm=GenericSync()), AlgorithmRunner),
+    ],
+)
+def test_the_optimizer_always_runs_an_algorithm(options, engine_class) -> None:
+    """The default reifies into a built-in implementation that runs its own steps (with local updates
+    too); a custom algorithm runs under an AlgorithmRunner."""
+    model = torch.nn.Linear(3, 1)
+    with local_swarm(1) as (dht,):
+        opt = hivemind_ext.Optimizer(
+            dht=dht,
+            run_id="engine",
+            target_batch_size=8,
+            batch_size_per_step=4,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            params=model.parameters(),
+            matchmaking_time=0.5,
+            averaging_timeout=5.0,
+            tracker_opts=TRACKER,
+            **options,
+        )
+        try:
+            assert isinstance(opt.engine, engine_class)
+            assert (opt.grad_averager is not None) == (engine_class is SyncGradientsImpl)
+            assert (opt.algorithm_runner is opt.engine) == (engine_class is AlgorithmRunner)
+            model(torch.randn(4, 3)).sum().backward()
+            opt.step()
+        finally:
+            opt.shutdown()
 
 
 @pytest.mark.timeout(150)

@@ -5,7 +5,11 @@ averaging round when the swarm is about to reach ``target_batch_size``, owns a p
 all-reduce (it reduces what the trainers send and sends the averages back) and contributes no
 gradients. It needs no model: the round's layout arrives with the trainers' streams.
 
-Used by ``Optimizer(auxiliary=True)`` and by the command ``hivemind-ext aux``.
+Used by ``Optimizer(auxiliary=True)`` and by the command ``hivemind-ext aux``. It is a role, not an
+algorithm: an algorithm decides how a model is updated from its gradients (``AlgorithmImpl`` and its
+hooks all act on a model), while this peer has no model, takes no batches and never steps; it
+only follows the trainers' gradient rounds. So ``Optimizer(auxiliary=True)`` binds no algorithm and
+its ``step()`` runs this peer's loop instead.
 """
 
 from __future__ import annotations

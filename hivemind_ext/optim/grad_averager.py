@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 from hivemind import DHT
-from hivemind.utils import get_dht_time
 
 from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.optim.grad_accumulator import GradientAccumulator
+from hivemind_ext.optim.rounds import wait_on_round
 
 
 class GradientAverager(DecentralizedAverager):
@@ -102,8 +102,7 @@ class GradientAverager(DecentralizedAverager):
         control.allow_allreduce()
         if not wait:
             return control
-        remaining = None if timeout is None else max(control.deadline - get_dht_time(), 0.0) + 1.0
-        return control.result(remaining)
+        return wait_on_round(control)  # the round driver's one wait: until the round's deadline (and a grace)
 
     @contextlib.contextmanager
     def use_averaged_gradients(self) -> Iterator[Sequence[torch.Tensor]]:

@@ -72,3 +72,20 @@ def _is_ours(optimizer: Any) -> bool:
     """A hivemind_ext.Optimizer (it takes ``step(grad_scaler=...)``); told by a class marker, because
     the Optimizer imports this module (importing it back would be a cycle)."""
     return bool(getattr(type(optimizer), "steps_with_grad_scaler", False))
+
+
+class BoundGradScaler:
+    """The GradScaler of one ``Optimizer.step(grad_scaler=...)``, as the Optimizer hands it to its
+    algorithm: bound to that Optimizer (torch keys a scaler's unscaling state by its optimizer, whose
+    ``param_groups`` it unscales), so the algorithm never holds the Optimizer itself."""
+
+    def __init__(self, scaler: GradScaler, optimizer: Any) -> None:
+        self.scaler, self._optimizer = scaler, optimizer
+
+    def unscale_and_check(self) -> bool:
+        """Unscales the model's gradients (once per step) and returns whether any overflowed."""
+        return self.scaler.unscale_and_check(self._optimizer)
+
+    def defer(self) -> None:
+        """Keeps the scale fixed until the epoch's end (reuse_grad_buffers)."""
+        self.scaler.defer()

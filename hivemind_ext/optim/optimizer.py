@@ -1,28 +1,29 @@
 """hivemind_ext.Optimizer: a drop-in replacement for ``hivemind.Optimizer``.
 
 Same keyword arguments, same meaning (see ``../shared/reference`` and the README). One *epoch* is the
-swarm processing ``target_batch_size`` samples together. Per call of ``step()``:
+swarm processing ``target_batch_size`` samples together. The Optimizer is the torch facade (param
+groups, state, state_dict, zero_grad, hooks), the epoch and the catch-up; the training itself is
+always an algorithm's (:mod:`hivemind_ext.optim.algorithms`). Per call of ``step()``:
 
-1. finish background work that is done (a delayed optimizer step, a state averaging round);
+1. finish the algorithm's background work that is done (a delayed optimizer step, a state round);
 2. if this peer fell behind the swarm (or its last averaging failed), download the state from peers;
-3. synchronous mode: add the batch's gradients to the local accumulator; local updates: step now;
-4. report progress to the DHT (:class:`.ProgressTracker`); when the swarm's next epoch is near,
-   start matchmaking for the gradient round ahead of time (pre-scheduled, held by a trigger);
-5. when the swarm reached ``target_batch_size`` (or a groupmate already started the round): average
-   the gradients, weighted by samples, step the optimizer, step the scheduler, and every
-   ``average_state_every`` epochs average the parameters (in the background by default).
+3. hand the batch to the algorithm's :class:`~hivemind_ext.optim.algorithms.base.StepEngine`: by
+   default :mod:`~hivemind_ext.optim.algorithms.sync_gradients` (accumulate the gradients, average
+   them when the swarm reached ``target_batch_size``, step) or, with ``use_local_updates``,
+   :mod:`~hivemind_ext.optim.algorithms.local_updates`; a custom ``algorithm`` (DiLoCo, QAdam, ...)
+   through an :class:`~hivemind_ext.optim.algorithms.runner.AlgorithmRunner`;
+4. when the algorithm's epoch ends, it asks the Optimizer (through its context) to enter the next
+   epoch: the LR scheduler steps, and the swarm hears of it.
 
 Peers whose round fails proceed with their local gradients, as in hivemind, and download the
 state from their peers at their next step, which brings their parameters back in line. When rounds
 are scheduled, whom they expect, how long to wait and what a missed or failed round means are
 decided in :mod:`hivemind_ext.optim.rounds`, whose :class:`~hivemind_ext.optim.rounds.RoundDriver`
-(``Optimizer.rounds``) also waits on every round, this Optimizer's and its algorithm's.
+(``Optimizer.rounds``) also waits on every round of the algorithm.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
@@ -32,71 +33,26 @@ from typing import Any
 
 import torch
 from hivemind import DHT
-from hivemind.utils import get_dht_time
 
-from hivemind_ext.averaging.control import AveragingStage, StepControl
-from hivemind_ext.errors import (
-    AllreduceError,
-    ConfigurationError,
-    DeadlineExceededError,
-    HivemindExtError,
-    MatchmakingError,
-    StateLoadError,
-)
-from hivemind_ext.optim.algorithms.base import (
-    Algorithm,
-    AlgorithmContext,
-    AlgorithmImpl,
-    GradientAllReduce,
-    next_model_key,
-)
+from hivemind_ext.averaging.control import StepControl
+from hivemind_ext.errors import ConfigurationError, HivemindExtError, StateLoadError
+from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, StepEngine, next_model_key
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
+from hivemind_ext.optim.algorithms.sync_gradients import GradientAllReduce, SyncGradientsImpl
 from hivemind_ext.optim.auxiliary import AuxiliaryPeer
-from hivemind_ext.optim.background import BackgroundWorker
 from hivemind_ext.optim.config import OptimizerConfig
 from hivemind_ext.optim.grad_averager import GradientAverager
-from hivemind_ext.optim.grad_scaler import GradScaler
+from hivemind_ext.optim.grad_scaler import BoundGradScaler, GradScaler
 from hivemind_ext.optim.keys import grad_prefix, progress_prefix, state_prefix
 from hivemind_ext.optim.param_groups import group_views
 from hivemind_ext.optim.progress import ProgressTracker
-from hivemind_ext.optim.rounds import RoundDriver, RoundHooks, missed_round, next_epoch, should_prepare_round
+from hivemind_ext.optim.rounds import RoundDriver, RoundHooks, next_epoch
 from hivemind_ext.optim.state_averager import TrainingStateAverager
 from hivemind_ext.optim.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
 
-ROUND_FAILURES = (MatchmakingError, AllreduceError, DeadlineExceededError)
 __all__ = ["Optimizer", "grad_prefix", "progress_prefix", "state_prefix"]  # the key prefixes live in .keys
-
-
-def _chain(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
-    def job() -> None:
-        first()
-        if then is not None:
-            then()
-
-    return job
-
-
-def gathered_epochs(gathered: Any) -> set[int]:
-    """The epochs that a gradient round's members reported (untrusted: only plain ints count)."""
-    epochs = set()
-    for data in (gathered or {}).values():
-        epoch = data.get("epoch") if isinstance(data, dict) else None
-        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**62:
-            epochs.add(epoch)
-    return epochs
-
-
-def gathered_samples(gathered: Any) -> dict[str, int]:
-    """Samples per member from a gradient round's gathered data ({"samples": n} from each member);
-    gather data is untrusted wire input: anything else (e.g. an auxiliary peer's None) counts as 0."""
-    samples = {}
-    for peer, data in (gathered or {}).items():
-        value = data.get("samples") if isinstance(data, dict) else None
-        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
-        samples[str(peer)] = value if ok else 0
-    return samples
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -192,10 +148,9 @@ class Optimizer(torch.optim.Optimizer):
         self.algorithm = algorithm
         self.grad_compression = grad_compression
         self.averager_opts = dict(averager_opts or {})
-        self._runner: AlgorithmRunner | None = None
+        self._engine: StepEngine | None = None  # what step() drives (None on an auxiliary peer)
+        self._runner: AlgorithmRunner | None = None  # the engine, when it is a runner around a custom algorithm
         self._aux: AuxiliaryPeer | None = None
-        self.grad_averager: GradientAverager | None = None
-        self._epoch_samples = 0  # samples this peer processed in its current epoch (algorithm path)
         self.state_manager = TrainingState(
             optimizer=optimizer,
             params=params,
@@ -208,54 +163,34 @@ class Optimizer(torch.optim.Optimizer):
         self._param_group_ids: list[int] = []
         # what torch.optim.Optimizer's own methods and hooks expect to find
         self.defaults = dict(getattr(self.state_manager.optimizer, "defaults", {}))
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-
+        for hooks in ("step", "load_state_dict", "state_dict"):
+            setattr(self, f"_optimizer_{hooks}_pre_hooks", OrderedDict())
+            setattr(self, f"_optimizer_{hooks}_post_hooks", OrderedDict())
+        self._first_step = True
+        self._blocked_seconds = 0.0  # time step() spent downloading the state (the engine counts its own)
         self._started: list[Any] = []  # what shutdown() must stop, in start order
         try:
             self._start_components(
-                grad_compression,
-                grad_averager_factory,
-                state_averaging_compression,
-                load_state_compression,
-                dict(averager_opts or {}),
-                dict(tracker_opts or {}),
+                state_averaging_compression, load_state_compression, dict(averager_opts or {}), dict(tracker_opts or {})
             )
+            #: plans this peer's rounds and waits on them (its algorithm's rounds)
+            self.rounds = RoundDriver(
+                tracker=self.tracker,
+                matchmaking_time=config.matchmaking_time,
+                averaging_timeout=config.averaging_timeout,
+                local_epoch=lambda: self.local_epoch,
+                hooks=round_hooks,
+            )
+            if self._aux is None:
+                self._start_algorithm(algorithm or GradientAllReduce(), grad_averager_factory)
         except BaseException:
             self.shutdown()
             raise
-        #: plans this peer's rounds and waits on them (its gradient rounds and its algorithm's)
-        self.rounds = RoundDriver(
-            tracker=self.tracker,
-            matchmaking_time=config.matchmaking_time,
-            averaging_timeout=config.averaging_timeout,
-            local_epoch=lambda: self.local_epoch,
-            hooks=round_hooks,
-        )
-        if algorithm is not None and self._custom_algorithm:
-            try:
-                impl = algorithm.reify(self._algorithm_context(next_model_key(algorithm, dht)))
-                self._runner = AlgorithmRunner(impl) if not impl.uses_standard_path else None
-            except BaseException:
-                self.shutdown()
-                raise
-        self._background = BackgroundWorker(f"{run_id}-optimizer")
-        self._scheduled_grads: StepControl | None = None
-        self._first_step = True
-        self.last_epoch_samples = 0  # samples averaged in this peer's last epoch (its group's total)
-        self.last_round_samples: dict[str, int] = {}  # the same, per group member (base58 peer id)
-        self.blocked_seconds = 0.0  # time step() spent waiting for the swarm (averaging, downloads)
 
     # ----- construction
 
     def _start_components(
         self,
-        grad_compression: Any,
-        grad_averager_factory: Callable[..., GradientAverager] | None,
         state_averaging_compression: Any,
         load_state_compression: Any,
         averager_opts: dict[str, Any],
@@ -301,23 +236,18 @@ class Optimizer(torch.optim.Optimizer):
                     averaging_timeout=config.averaging_timeout,
                     status_loglevel=self.status_loglevel,
                 )
-            elif config.averages_gradients and not self._custom_algorithm:
-                factory = grad_averager_factory or GradientAverager
-                self.grad_averager = factory(
-                    self.state_manager.main_params,
-                    dht=self.dht,
-                    prefix=grad_prefix(config.run_id),
-                    reuse_grad_buffers=config.reuse_grad_buffers,
-                    compression=grad_compression,
-                    **common,
-                )
-                if not isinstance(self.grad_averager, GradientAverager):
-                    raise ConfigurationError("grad_averager_factory must return a hivemind_ext GradientAverager")
-                self._started.append(self.grad_averager)
         except TypeError as e:
             raise ConfigurationError(f"averager_opts: {e}") from e
 
-    def _algorithm_context(self, key: str) -> AlgorithmContext:
+    def _start_algorithm(self, algorithm: Algorithm, grad_averager_factory: Callable[..., Any] | None) -> None:
+        """Binds the algorithm to this peer; its implementation is the engine, or a runner drives it."""
+        impl = algorithm.reify(self._algorithm_context(next_model_key(algorithm, self.dht), grad_averager_factory))
+        if impl.runs_own_steps:
+            self._engine = impl  # type: ignore[assignment]  # such implementations are StepEngines
+        else:
+            self._engine = self._runner = AlgorithmRunner(impl)
+
+    def _algorithm_context(self, key: str, grad_averager_factory: Callable[..., Any] | None) -> AlgorithmContext:
         """What an algorithm reaches the swarm through (it never calls back into this Optimizer)."""
         return AlgorithmContext(
             key=key,
@@ -332,13 +262,11 @@ class Optimizer(torch.optim.Optimizer):
             grad_compression=self.grad_compression,
             downloader=self.load_state_from_peers,
             epoch_getter=lambda: self.local_epoch,
+            grad_averager_factory=grad_averager_factory,
+            state_averager=self.state_averager,
+            epoch_advancer=self._advance_epoch,
+            status_loglevel=self.status_loglevel,
         )
-
-    def _gradients(self) -> GradientAverager:
-        """The gradient averager of the synchronous path (only that path calls this)."""
-        if self.grad_averager is None:
-            raise HivemindExtError("this optimizer averages no gradients (local updates, an algorithm, auxiliary)")
-        return self.grad_averager
 
     # ----- what torch.optim.Optimizer users read
 
@@ -461,127 +389,96 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-
-        self._collect_background_work(wait=False)
+        engine = self._training_engine()
+        engine.collect_background_work(wait=False)
         if self._should_catch_up():
             self.load_state_from_peers()
-            self._discard_local_gradients()
+            engine.discard_local_progress()
+            self.tracker.report_local_progress(self.local_epoch, 0)
             return loss
-        if self._runner is not None:
-            if grad_scaler is not None and self._skip_overflowed_batch(grad_scaler):
-                return loss
-            self._algorithm_step(batch_size)
-            return loss
-        if self.config.use_local_updates:
-            if not self._local_update(batch_size, grad_scaler):
-                return loss
-            samples = self.tracker.local_progress.samples_accumulated + batch_size
-        else:
-            if not self._accumulate(batch_size, grad_scaler):
-                return loss
-            samples = self._gradients().local_samples_accumulated
-        self.tracker.report_local_progress(self.local_epoch, samples)
-        if self._epoch_is_over():
-            self._end_epoch(grad_scaler)
-        else:
-            self._maybe_schedule_round()
+        engine.train_step(batch_size, BoundGradScaler(grad_scaler, self) if grad_scaler is not None else None)
         return loss
 
-    def _skip_overflowed_batch(self, grad_scaler: GradScaler) -> bool:
-        """Unscales the model's gradients in place; True if they overflowed (the batch is then skipped
-        and the user's ``scaler.update()`` lowers the scale)."""
-        if self.config.reuse_grad_buffers and self._runner is not None:
-            raise ConfigurationError("a GradScaler with an algorithm needs reuse_grad_buffers=False")
-        if grad_scaler.unscale_and_check(self):
-            logger.log(self.status_loglevel, "gradients overflowed: skipping this batch (the scale is lowered)")
-            return True
-        return False
+    def _training_engine(self) -> StepEngine:
+        if self._engine is None:
+            raise HivemindExtError("an auxiliary peer runs no algorithm")
+        return self._engine
 
-    def _accumulate(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
-        averager = self._gradients()
-        if grad_scaler is not None:
-            if self.config.reuse_grad_buffers:
-                grad_scaler.defer()  # .grad holds a sum of scaled gradients until the epoch ends
-                averager.accumulator.accumulate(batch_size, check_finite=False)
-                return True
-            if self._skip_overflowed_batch(grad_scaler):
-                return False
-        averager.accumulate_grads_(batch_size)
-        return True
+    # ----- the algorithm
 
-    def _local_update(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
-        if grad_scaler is not None and self._skip_overflowed_batch(grad_scaler):
-            return False
-        grads = [p.grad for p in self.state_manager.main_params]
-        with self._state_lock:
-            self.state_manager.apply_gradients(grads)
-            self.state_manager.copy_to_model()
-        return True
+    @property
+    def algorithm_impl(self) -> AlgorithmImpl | None:
+        """The implementation of a custom ``algorithm`` that the runner drives (its counters, and
+        controls such as AsyncModelAverage's ``abort()`` / ``resume()``); None for the default
+        (``GradientAllReduce``: synchronous gradients or local updates), which runs its own steps."""
+        return self._runner.impl if self._runner is not None else None
 
-    def _epoch_is_over(self) -> bool:
-        if self.tracker.ready_to_update_epoch:
-            return True
-        control = self._scheduled_grads
-        return control is not None and control.groupmate_started
+    @property
+    def algorithm_runner(self) -> AlgorithmRunner | None:
+        """The runner of a custom ``algorithm`` (its buckets, round counters); None for the default."""
+        return self._runner
 
-    def _maybe_schedule_round(self) -> None:
-        """Starts matchmaking for the coming gradient round when the swarm's epoch end is near."""
-        if self.grad_averager is None:
-            return
-        control = self._scheduled_grads
-        if control is not None and not control.done():
-            return
-        if self._background.busy:
-            return  # the previous round still runs in the background: its group tells whom to expect next
-        now = get_dht_time()
-        eta = self.tracker.estimated_next_update_time
-        if not should_prepare_round(now, eta, self.config.matchmaking_time):
-            return
-        report = self.grad_averager.last_round
-        plan = self.rounds.plan(eta=eta, last_group_size=report.group_size if report is not None else None)
-        logger.log(self.status_loglevel, f"pre-scheduling the gradient round in {plan.scheduled_time - now:.2f} s")
-        self._scheduled_grads = self.grad_averager.schedule_step(
-            scheduled_time=plan.scheduled_time,
-            timeout=plan.timeout(now),
-            expected_group_size=plan.expected_group_size,
-        )
+    @property
+    def engine(self) -> StepEngine | None:
+        """What ``step()`` drives: the default algorithm's implementation, or the runner of a custom
+        one (None on an auxiliary peer)."""
+        return self._engine
 
-    # ----- the end of an epoch
+    @property
+    def grad_averager(self) -> GradientAverager | None:
+        """The gradient averager of the synchronous path (None with local updates, a custom algorithm, auxiliary)."""
+        impl = self._engine
+        return impl.grad_averager if isinstance(impl, SyncGradientsImpl) else None
 
-    def _end_epoch(self, grad_scaler: GradScaler | None) -> None:
-        started = time.perf_counter()
-        # no pause_updates() here: the tracker keeps publishing, so peers see this epoch's final count
-        average_state = self._should_average_state(self._next_epoch())
-        # the state round snapshots the parameters after this epoch's optimizer step on every peer (a
-        # delayed step runs it in the background job, right after the step), or peers would average
-        # parameters taken before the step on some and after it on others, and drift apart
-        begin_state_round = self._begin_state_round if average_state else None
-        if self.grad_averager is not None:
-            self._wait_background()  # the buffers and the optimizer must be free
-            control, self._scheduled_grads = self._scheduled_grads, None
-            if control is not None and control.done() and not control.triggered:
-                control = None  # matchmaking failed or expired before the epoch ended
-            if self._swarm_averaged_without_us(control):
-                self._skip_round(control)
-            else:
-                self._average_and_step(control, grad_scaler, then=begin_state_round)
-        elif begin_state_round is not None:
-            begin_state_round()
-        apply_state_round = None
-        if average_state and not self.config.delay_state_averaging and not self._background.pending:
-            wait = self.config.averaging_timeout + self.config.matchmaking_time + 1.0
-            apply_state_round = lambda: self.state_averager.apply_round(wait=wait)  # noqa: E731
-        self._advance_epoch(before_announcing=apply_state_round)
-        self.blocked_seconds += time.perf_counter() - started
+    @property
+    def scheduled_round(self) -> StepControl | None:
+        """The gradient round pre-scheduled for this epoch's end, if any (its matchmaking runs ahead)."""
+        impl = self._engine
+        return impl.scheduled_round if isinstance(impl, SyncGradientsImpl) else None
 
-    def _next_epoch(self) -> int:
-        """The epoch this peer enters when its current one ends (the swarm's, if that is further)."""
-        return next_epoch(self.local_epoch, self.tracker.global_progress.epoch)
+    @property
+    def last_epoch_samples(self) -> int:
+        """Samples averaged in this peer's last epoch (its group's total; synchronous path)."""
+        impl = self._engine
+        return impl.last_epoch_samples if isinstance(impl, SyncGradientsImpl) else 0
+
+    @property
+    def last_round_samples(self) -> dict[str, int]:
+        """The same, per group member (base58 peer id)."""
+        impl = self._engine
+        return impl.last_round_samples if isinstance(impl, SyncGradientsImpl) else {}
+
+    @property
+    def blocked_seconds(self) -> float:
+        """Time ``step()`` spent waiting for the swarm (averaging, background steps, downloads)."""
+        return self._blocked_seconds + (self._engine.blocked_seconds if self._engine is not None else 0.0)
+
+    def resync_after_failed_round(self) -> bool:
+        """After a round this peer could not finish: download the swarm's state at the next step (its
+        local update drifted from the swarm's) if other peers train. Returns whether it will."""
+        return self.rounds.request_resync()
+
+    def wait_for_round(self, control: StepControl, *, watch_swarm: bool = True) -> Any:
+        """The round's gathered data: :meth:`hivemind_ext.optim.rounds.RoundDriver.wait` of this peer."""
+        return self.rounds.wait(control, watch_swarm=watch_swarm)
+
+    def swarm_epoch_is_over(self) -> bool:
+        """Whether the swarm has accumulated ``target_batch_size`` samples in this peer's epoch."""
+        return self.tracker.ready_to_update_epoch
+
+    def collect_background_work(self, wait: bool = True) -> None:
+        """Publishes a finished delayed step and applies a finished state round (``wait``: for up to
+        about ``averaging_timeout`` while they run). ``step()`` does this itself, without waiting."""
+        if self._engine is not None:
+            self._engine.collect_background_work(wait)
+
+    # ----- the epoch
 
     def _advance_epoch(self, *, before_announcing: Callable[[], Any] | None = None) -> int:
         """The one place where a training peer's epoch moves forward (the LR scheduler steps with it);
-        ``before_announcing`` runs once the epoch is set, before the swarm hears of it."""
-        epoch = self._next_epoch()
+        ``before_announcing`` runs once the epoch is set, before the swarm hears of it. Algorithms
+        call it through their context (``advance_epoch()``) when their epoch ends."""
+        epoch = next_epoch(self.local_epoch, self.tracker.global_progress.epoch)
         with self._state_lock:
             self.state_manager.set_epoch(epoch)
         if before_announcing is not None:
@@ -594,230 +491,6 @@ class Optimizer(torch.optim.Optimizer):
         self.tracker.update_epoch(epoch)
         self.state_averager.state_sharing_priority = epoch
 
-    def _average_and_step(
-        self, control: StepControl | None, grad_scaler: GradScaler | None, *, then: Callable[[], None] | None
-    ) -> None:
-        """This epoch's gradient round (or a solo step), then the optimizer step, now or in the background;
-        ``then`` runs right after the optimizer step (in the background job for delayed steps)."""
-        config = self.config
-        found_inf = grad_scaler is not None and config.reuse_grad_buffers and grad_scaler.unscale_and_check(self)
-        if found_inf:
-            logger.log(self.status_loglevel, "this epoch's gradients overflowed: contributing nothing")
-            self._gradients().reset_accumulated_grads_()
-        if self._alone(control):
-            self._step_alone(control, found_inf=found_inf)
-            return  # alone: no state round either
-        if config.delay_grad_averaging:
-            control = self._begin_gradient_round(control, zero_weight=found_inf)
-            self._background.submit(_chain(lambda: self._finish_gradient_round(control, apply=not found_inf), then))
-            return
-        control = self._begin_gradient_round(control, zero_weight=found_inf)
-        averaged = self._wait_gradient_round(control)
-        if config.delay_optimizer_step:
-            self._background.submit(_chain(lambda: self._apply_averaged_gradients(publish=False), then))
-            return
-        if averaged or not found_inf:
-            self._apply_averaged_gradients(publish=True)
-        if then is not None:
-            then()
-
-    def _swarm_averaged_without_us(self, control: StepControl | None) -> bool:
-        """Another peer already finished this epoch's round and this one never found its group: a new
-        search could only wait out ``averaging_timeout``."""
-        return missed_round(
-            searching=None
-            if control is None
-            else control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP),
-            swarm_epoch=self.tracker.global_progress.epoch,
-            local_epoch=self.local_epoch,
-            rounds_overlap_epochs=self.config.delay_grad_averaging,
-        )
-
-    def _skip_round(self, control: StepControl | None) -> None:
-        logger.warning(
-            f"the swarm averaged epoch {self.local_epoch} without this peer (it was late): "
-            "dropping its gradients and downloading the state from peers"
-        )
-        if control is not None and not control.done():
-            control.cancel()
-        self._gradients().reset_accumulated_grads_()  # after_failed_round(missed=True): no step, resync
-        self.rounds.request_resync(missed=True)
-
-    def _alone(self, control: StepControl | None) -> bool:
-        """No other peer reports progress and none started this round: a round could only time out."""
-        if (control is not None and control.groupmate_started) or self.tracker.global_progress.num_peers > 1:
-            return False
-        try:  # the tracker's view may be a refresh period old (peers that just joined): confirm it
-            return self.tracker.fetch_now().num_peers <= 1
-        except HivemindExtError as e:
-            logger.debug(f"could not refresh the swarm's progress ({e!r}): taking this peer as alone")
-            return True
-
-    def _step_alone(self, control: StepControl | None, *, found_inf: bool) -> None:
-        """A solo peer steps on its own mean gradient at once, as hivemind does, instead of waiting
-        ``averaging_timeout`` for a group that cannot form."""
-        averager = self._gradients()
-        if control is not None and not control.done():
-            control.cancel()
-        samples = 0 if found_inf else averager.local_samples_accumulated
-        logger.log(self.status_loglevel, "no other peers: stepping with local gradients")
-        averager.load_accumulators_into_averager_()
-        averager.reset_accumulated_grads_()
-        self.last_round_samples = {str(self.dht.peer_id): samples}
-        self.last_epoch_samples = samples
-        if found_inf:
-            return
-        if self.config.delay_optimizer_step:
-            self._background.submit(lambda: self._apply_averaged_gradients(publish=False))
-        else:
-            self._apply_averaged_gradients(publish=True)
-
-    def _begin_gradient_round(self, control: StepControl | None, *, zero_weight: bool) -> StepControl:
-        averager = self._gradients()
-        samples = averager.local_samples_accumulated
-        if control is None:  # none was pre-scheduled: whoever is looking within a matchmaking time
-            now = get_dht_time()
-            plan = self.rounds.plan(expect_peers=False)
-            control = averager.schedule_step(scheduled_time=plan.scheduled_time, timeout=plan.timeout(now))
-        with contextlib.suppress(RuntimeError):  # too late to change the weight: the round has begun
-            control.weight = 0.0 if zero_weight else float(samples)
-        # groupmates learn how many samples each member averaged (read back in _wait_gradient_round);
-        # the round packs control.gather only when it starts, after the trigger below
-        control.gather = {"samples": 0 if zero_weight else int(samples), "epoch": self.local_epoch}
-        averager.step(control=control, weight=0.0 if zero_weight else float(samples), wait=False)
-        return control
-
-    def _wait_gradient_round(self, control: StepControl, *, in_background: bool = False) -> bool:
-        try:
-            gathered = self.rounds.wait(control, watch_swarm=not in_background)
-        except ROUND_FAILURES as e:
-            logger.warning(f"averaging gradients failed ({e}): proceeding with local gradients")
-            self.rounds.request_resync()
-            return False
-        except (
-            TimeoutError,
-            concurrent.futures.TimeoutError,
-            concurrent.futures.CancelledError,
-            HivemindExtError,
-        ) as e:
-            logger.warning(f"averaging gradients did not finish ({e!r}): proceeding with local gradients")
-            self.rounds.request_resync()
-            return False
-        report = self.grad_averager.last_round if self.grad_averager is not None else None
-        peers = report.group_size if report is not None else len(gathered or {})
-        self.last_round_samples = gathered_samples(gathered)
-        self.last_epoch_samples = sum(self.last_round_samples.values())
-        logger.log(self.status_loglevel, f"averaged gradients with {peers} peers")
-        if gathered_epochs(gathered) - {self.local_epoch}:
-            # groupmates averaged another epoch's gradients (this peer was behind, e.g. right after a
-            # download that raced their step): the update still helps, but download the state next
-            logger.info(f"groupmates were at epochs {sorted(gathered_epochs(gathered))}: resynchronizing")
-            self.rounds.request_resync(missed=True)  # the swarm is at another epoch: this peer missed its round
-        return True
-
-    def resync_after_failed_round(self) -> bool:
-        """After a round this peer could not finish: download the swarm's state at the next step (its
-        local update drifted from the swarm's) if other peers train. Returns whether it will."""
-        return self.rounds.request_resync()
-
-    def wait_for_round(self, control: StepControl, *, watch_swarm: bool = True) -> Any:
-        """The round's gathered data: :meth:`hivemind_ext.optim.rounds.RoundDriver.wait` of this peer."""
-        return self.rounds.wait(control, watch_swarm=watch_swarm)
-
-    def _finish_gradient_round(self, control: StepControl, *, apply: bool) -> None:
-        """Background job (delay_grad_averaging): wait for the round, then step on its result."""
-        self._wait_gradient_round(control, in_background=True)
-        if apply:
-            self._apply_averaged_gradients(publish=False)
-
-    def _apply_averaged_gradients(self, *, publish: bool) -> None:
-        with self._state_lock, self._gradients().use_averaged_gradients() as grads:
-            self.state_manager.apply_gradients(list(grads))
-            if publish:
-                self.state_manager.copy_to_model()
-
-    # ----- pluggable algorithms
-
-    @property
-    def _custom_algorithm(self) -> bool:
-        return self.algorithm is not None and not isinstance(self.algorithm, GradientAllReduce)
-
-    @property
-    def algorithm_impl(self) -> AlgorithmImpl | None:
-        """The implementation of a custom ``algorithm`` bound to this optimizer (its counters, and
-        controls such as AsyncModelAverage's ``abort()`` / ``resume()``); None on the standard path."""
-        return self._runner.impl if self._runner is not None else None
-
-    @property
-    def algorithm_runner(self) -> AlgorithmRunner | None:
-        """The runner of a custom ``algorithm`` (its buckets, round counters); None on the standard path."""
-        return self._runner
-
-    @property
-    def scheduled_round(self) -> StepControl | None:
-        """The gradient round pre-scheduled for this epoch's end, if any (its matchmaking runs ahead)."""
-        return self._scheduled_grads
-
-    def swarm_epoch_is_over(self) -> bool:
-        """Whether the swarm has accumulated ``target_batch_size`` samples in this peer's epoch."""
-        return self.tracker.ready_to_update_epoch
-
-    def _algorithm_step(self, batch_size: int) -> None:
-        runner = self._runner
-        if runner is None:
-            raise HivemindExtError("this optimizer runs no custom algorithm")
-        self._epoch_samples += batch_size
-        self.tracker.report_local_progress(self.local_epoch, self._epoch_samples)
-        started = time.perf_counter()
-        if runner.step(batch_size):
-            self.blocked_seconds += time.perf_counter() - started
-        if self.tracker.ready_to_update_epoch:
-            self._epoch_samples = 0
-            self._advance_epoch()
-
-    def _should_average_state(self, epoch: int) -> bool:
-        config = self.config
-        if config.auxiliary or self.tracker.global_progress.num_peers < 2 or epoch % config.average_state_every:
-            return False
-        return not self.state_averager.has_round
-
-    def _begin_state_round(self) -> None:
-        """Starts a state averaging round (its result is applied by the training thread, in step())."""
-        config = self.config
-        if self.state_averager.has_round:
-            return  # one still runs, or it finished and step() has not applied it yet (starting would lose it)
-        self.state_averager.begin_round(
-            timeout=config.averaging_timeout + config.matchmaking_time,
-            scheduled_time=get_dht_time() + config.matchmaking_time,
-        )
-
-    def collect_background_work(self, wait: bool = True) -> None:
-        """Publishes a finished delayed step and applies a finished state round (``wait``: for up to
-        about ``averaging_timeout`` while they run). ``step()`` does this itself, without waiting."""
-        self._collect_background_work(wait)
-
-    def _collect_background_work(self, wait: bool) -> None:
-        """Publishes a finished delayed step and applies a finished state round."""
-        if self._background.pending and (wait or not self._background.busy):
-            self._wait_background()
-        self.state_averager.apply_round(wait=self.config.averaging_timeout + 1.0 if wait else 0.0)
-
-    def _wait_background(self) -> None:
-        if not self._background.pending:
-            return
-        started = time.perf_counter()
-        try:
-            self._background.wait(self.config.averaging_timeout + self.config.shutdown_timeout)
-        except DeadlineExceededError as e:
-            logger.warning(f"{e}: the step will be applied when it finishes")
-            return
-        except HivemindExtError as e:
-            logger.warning(f"a background step failed: {e}")
-        finally:
-            self.blocked_seconds += time.perf_counter() - started
-        with self._state_lock:
-            self.state_manager.copy_to_model()
-
     # ----- catching up with the swarm
 
     def _should_catch_up(self) -> bool:
@@ -827,20 +500,13 @@ class Optimizer(torch.optim.Optimizer):
             return True
         return self.local_epoch < global_epoch - 1 or (first and self.local_epoch < global_epoch)
 
-    def _discard_local_gradients(self) -> None:
-        if self.grad_averager is not None:
-            self.grad_averager.reset_accumulated_grads_()
-        self.tracker.report_local_progress(self.local_epoch, 0)
-
     def load_state_from_peers(self, **kwargs: Any) -> None:
         """Downloads the newest parameters, optimizer state and epoch from peers and applies them."""
         started = time.perf_counter()
         self.rounds.clear_resync()
-        self._wait_background()
+        if self._engine is not None:
+            self._engine.prepare_for_download()
         self.state_averager.cancel_round()
-        if self._scheduled_grads is not None and not self._scheduled_grads.done():
-            self._scheduled_grads.cancel()
-        self._scheduled_grads = None
         timeout = kwargs.pop("timeout", self.config.load_state_timeout)
         try:
             loaded = self.state_averager.load_state_from_peers(timeout=timeout, **kwargs)
@@ -859,32 +525,26 @@ class Optimizer(torch.optim.Optimizer):
                 return
             with self._state_lock:
                 self.state_manager.load(metadata, tensors)
-                if self._runner is not None:
-                    self._runner.impl.on_state_loaded()
+                if self._engine is not None:
+                    self._engine.on_state_loaded()
         except StateLoadError as e:
             logger.warning(f"could not load the state from peers: {e}; keeping the local state")
             return
         finally:
-            self.blocked_seconds += time.perf_counter() - started
+            self._blocked_seconds += time.perf_counter() - started
         logger.log(self.status_loglevel, f"loaded the state of epoch {self.local_epoch} from peers")
         self._announce_epoch(self.local_epoch)
 
     # ----- shutting down
 
     def shutdown(self) -> None:
-        """Stops background work and leaves the swarm; idempotent."""
+        """Stops the algorithm and leaves the swarm; idempotent."""
         if self._closed:
             return
         self._closed = True
-        background = getattr(self, "_background", None)
-        if background is not None:
-            background.shutdown(self.config.shutdown_timeout)
-        control = getattr(self, "_scheduled_grads", None)
-        if control is not None and not control.done():
-            control.cancel()
-        runner = getattr(self, "_runner", None)
-        if runner is not None:
-            runner.shutdown()
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()
         aux = getattr(self, "_aux", None)
         if aux is not None:
             aux.shutdown()

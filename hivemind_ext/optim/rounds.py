@@ -237,23 +237,38 @@ class RoundDriver:
         return result
 
     def _wait(self, control: StepControl, *, watch_swarm: bool, stop: threading.Event | None) -> Any:
-        give_up = give_up_time(control.deadline)
-        while True:
-            try:
-                return control.result(min(POLL_SECONDS, max(give_up - get_dht_time(), 0.0)))
-            except (TimeoutError, concurrent.futures.TimeoutError):
-                if control.done():
-                    raise  # the round itself failed with a timeout: not a wait that ran out
-                if get_dht_time() >= give_up:
-                    raise DeadlineExceededError("the averaging round did not finish before its deadline") from None
-            if stop is not None and stop.is_set():
-                control.cancel()
-                raise concurrent.futures.CancelledError("the round was stopped")
-            if should_abandon_search(
+        def abandon() -> bool:
+            return should_abandon_search(
                 searching=control.stage in SEARCHING,
                 swarm_epoch=self.tracker.global_progress.epoch,
                 local_epoch=self.local_epoch(),
                 watch_swarm=watch_swarm,
-            ):
-                control.cancel()
-                raise MatchmakingError("the swarm finished this epoch's round without this peer")
+            )
+
+        return wait_on_round(control, stop=stop, abandon=abandon)
+
+
+def wait_on_round(
+    control: StepControl, *, stop: threading.Event | None = None, abandon: Callable[[], bool] | None = None
+) -> Any:
+    """The one loop that waits on a round: its gathered data. Gives up (cancelling the round) at
+    ``give_up_time`` of its deadline (DeadlineExceededError), when ``abandon()`` says the swarm went on
+    without this peer (MatchmakingError), when ``stop`` is set (concurrent.futures.CancelledError).
+    Re-raises what the round raised (a deadline that ran out leaves the cancelling to the caller).
+    :meth:`RoundDriver.wait` (with its hooks) calls it; so does
+    :meth:`hivemind_ext.optim.GradientAverager.step` with ``wait=True``."""
+    give_up = give_up_time(control.deadline)
+    while True:
+        try:
+            return control.result(min(POLL_SECONDS, max(give_up - get_dht_time(), 0.0)))
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            if control.done():
+                raise  # the round itself failed with a timeout: not a wait that ran out
+            if get_dht_time() >= give_up:
+                raise DeadlineExceededError("the averaging round did not finish before its deadline") from None
+        if stop is not None and stop.is_set():
+            control.cancel()
+            raise concurrent.futures.CancelledError("the round was stopped")
+        if abandon is not None and abandon():
+            control.cancel()
+            raise MatchmakingError("the swarm finished this epoch's round without this peer")

@@ -21,8 +21,17 @@ Two classes, as in Bagua:
   operations. Operations run position by position across buckets, and all ``average`` operations at
   one position form ONE all-reduce round (one matchmaking), each bucket with its own codec.
 
+Every ``Optimizer.step()`` drives an algorithm: the Optimizer calls a :class:`StepEngine` (what one
+step does, background work, what a state download means to it). An implementation whose
+``runs_own_steps`` is False (the default: custom algorithms, DiLoCo, QAdam, ...) is driven through
+the hooks above by an :class:`~hivemind_ext.optim.algorithms.runner.AlgorithmRunner`, which is its
+engine; the built-in synchronous gradient averaging (:mod:`.sync_gradients`, what the default
+``GradientAllReduce()`` reifies into) and local updates (:mod:`.local_updates`) own their round
+scheduling and background work, and are engines themselves.
+
 The swarm-wide epoch (``target_batch_size`` samples) still drives the LR scheduler and state
-downloads for late joiners, whatever the algorithm.
+downloads for late joiners, whatever the algorithm: an engine asks the Optimizer to enter the next
+epoch through its context (``advance_epoch()``), and the Optimizer downloads the state when behind.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -42,6 +51,10 @@ from hivemind_ext.optim.grad_accumulator import GradientAccumulator
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.optim.rounds import RoundDriver
 from hivemind_ext.optim.training_state import TrainingState
+
+if TYPE_CHECKING:
+    from hivemind_ext.optim.grad_scaler import BoundGradScaler
+    from hivemind_ext.optim.state_averager import TrainingStateAverager
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +69,9 @@ class AlgorithmContext:
 
     Algorithms reach the swarm through this context, never through the Optimizer that runs them
     (which imports them): the training state and its lock, the progress tracker, the round driver
-    (plan a round, wait on it, the rule for a failed one), the averager options, and two requests
-    to the Optimizer: ``download_state()`` now, or ``request_resync()`` at the next step.
+    (plan a round, wait on it, the rule for a failed one), the averager options, the state averager
+    (parameter-averaging rounds), and three requests to the Optimizer: ``download_state()`` now,
+    ``request_resync()`` at the next step, ``advance_epoch()`` when this peer's epoch ends.
 
     :param key: distinguishes models that share one Algorithm object (part of every DHT prefix)
     :param state: the model's :class:`~hivemind_ext.optim.training_state.TrainingState`
@@ -66,6 +80,11 @@ class AlgorithmContext:
     :param averager_options: keywords for every averager the algorithm starts (the Optimizer's settings
       with the user's ``averager_opts`` on top)
     :param grad_compression: the Optimizer's ``grad_compression`` (the default codec of gradients)
+    :param grad_averager_factory: the Optimizer's ``grad_averager_factory`` (None: GradientAverager)
+    :param state_averager: the peer's TrainingStateAverager (its state rounds: ``average_state_every``)
+    :param downloader: what ``download_state()`` calls (the Optimizer's catch-up)
+    :param epoch_advancer: what ``advance_epoch()`` calls (the Optimizer's one epoch advance)
+    :param status_loglevel: the level of progress messages (INFO with ``verbose=True``)
     """
 
     key: str
@@ -80,6 +99,10 @@ class AlgorithmContext:
     grad_compression: Any = None
     downloader: Callable[..., Any] | None = None
     epoch_getter: Callable[[], int] | None = None
+    grad_averager_factory: Callable[..., Any] | None = None
+    state_averager: TrainingStateAverager | None = None
+    epoch_advancer: Callable[..., int] | None = None
+    status_loglevel: int = logging.DEBUG
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -106,6 +129,13 @@ class AlgorithmContext:
             raise ConfigurationError("this context cannot download a state (no downloader)")
         return self.downloader(**kwargs)
 
+    def advance_epoch(self, *, before_announcing: Callable[[], Any] | None = None) -> int:
+        """This peer's epoch ended: the Optimizer enters the next one (the swarm's, if further), steps
+        the LR scheduler, runs ``before_announcing`` and tells the swarm. Returns the new epoch."""
+        if self.epoch_advancer is None:
+            raise ConfigurationError("this context cannot advance the epoch (no epoch_advancer)")
+        return self.epoch_advancer(before_announcing=before_announcing)
+
     def request_resync(self) -> bool:
         """After a round this peer could not finish: the Optimizer downloads the swarm's state at the
         next step if other peers train (:func:`~hivemind_ext.optim.rounds.after_failed_round`).
@@ -115,6 +145,36 @@ class AlgorithmContext:
     def prefix(self, suffix: str) -> str:
         """A DHT prefix for this model's traffic: peers of the same run and model key meet under it."""
         return f"{self.run_id}_{self.key}_{suffix}"
+
+
+class StepEngine(Protocol):
+    """What ``Optimizer.step()`` drives, once it has validated the call and caught up with the swarm:
+    an :class:`AlgorithmRunner` around an implementation (``runs_own_steps = False``) or an
+    implementation that runs its steps itself (the built-in synchronous gradients, local updates).
+    It reaches the swarm through its :class:`AlgorithmContext` only."""
+
+    #: seconds its steps spent waiting for the swarm (added to ``Optimizer.blocked_seconds``)
+    blocked_seconds: float
+
+    def train_step(self, batch_size: int, grad_scaler: BoundGradScaler | None) -> None:
+        """One ``step()``: the user's backward left the gradients of ``batch_size`` samples in ``.grad``
+        (scaled by ``grad_scaler``, if any). Reports progress; at the epoch's end, communicates,
+        updates the model and calls ``context.advance_epoch()``."""
+
+    def collect_background_work(self, wait: bool) -> None:
+        """Applies background work that finished (with ``wait``: waits a bounded time for it)."""
+
+    def prepare_for_download(self) -> None:
+        """The Optimizer is about to replace the state: finish or cancel what would write to it."""
+
+    def discard_local_progress(self) -> None:
+        """After a catch-up: the gradients accumulated toward an epoch the swarm has left are dropped."""
+
+    def on_state_loaded(self) -> None:
+        """A state downloaded from peers was applied (see :meth:`AlgorithmImpl.on_state_loaded`)."""
+
+    def shutdown(self) -> None:
+        """Stops what the engine started (threads, averagers, rounds in flight)."""
 
 
 class Averaging(Protocol):
@@ -212,10 +272,14 @@ class Bucket:
 class AlgorithmImpl:
     """An algorithm bound to one optimizer. The defaults implement synchronous gradient averaging
     through the generic machinery: accumulate sample-weighted gradients, average them when the
-    swarm reaches ``target_batch_size`` (weighted by samples), step the wrapped optimizer."""
+    swarm reaches ``target_batch_size`` (weighted by samples), step the wrapped optimizer. (The
+    built-in default, :class:`~.sync_gradients.SyncGradientsImpl`, does the same with hivemind's
+    refinements: pre-scheduled rounds, delayed steps, offloading; it runs its own steps.)"""
 
-    #: True only for the built-in default, which runs the Optimizer's own code path unchanged
-    uses_standard_path = False
+    #: False: an AlgorithmRunner drives this implementation's hooks and bucket operations (its engine);
+    #: True: the implementation is a :class:`StepEngine` itself and owns its round scheduling and
+    #: background work (the built-in synchronous gradients and local updates)
+    runs_own_steps = False
     #: bytes per bucket in the default ``tensors_to_buckets``
     bucket_bytes = DEFAULT_BUCKET_BYTES
     #: after an averaging round that failed, the Optimizer downloads the swarm's state at the next step
@@ -341,13 +405,3 @@ def next_model_key(algorithm: Algorithm, dht: Any) -> str:
         index = _model_counts.get((id(algorithm), id(dht)), 0)
         _model_counts[(id(algorithm), id(dht))] = index + 1
     return f"{type(algorithm).__name__.lower()}{index}"
-
-
-class GradientAllReduce(Algorithm):
-    """The default: the Optimizer's standard behaviour (synchronous gradient averaging to
-    ``target_batch_size``, or local updates with parameter averaging if so configured), unchanged."""
-
-    def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
-        impl = AlgorithmImpl(context)
-        impl.uses_standard_path = True
-        return impl

@@ -1,5 +1,6 @@
 """AlgorithmRunner: drives an AlgorithmImpl's hooks from ``Optimizer.step()`` and runs its bucket
-operations (see :mod:`.base` for the order of the hooks).
+operations (see :mod:`.base` for the order of the hooks): the :class:`~.base.StepEngine` of every
+implementation that does not run its own steps.
 
 Average operations at one position of the buckets' pipelines form one all-reduce round: the runner
 keeps one :class:`~hivemind_ext.averaging.DecentralizedAverager` per (stage, position) over those
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from hivemind.utils import get_dht_time
 
@@ -25,6 +28,9 @@ from hivemind_ext.compression import CompressionInfo, NoCompression, PerTensorCo
 from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import ConfigurationError, HivemindExtError
 from hivemind_ext.optim.algorithms.base import AlgorithmImpl, AverageOp, Bucket
+
+if TYPE_CHECKING:
+    from hivemind_ext.optim.grad_scaler import BoundGradScaler
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,8 @@ class AlgorithmRunner:
         self.rounds = 0  # all-reduce rounds run (for tests and benchmarks)
         self.failed_rounds = 0
         self.bytes_sent = 0
+        self.blocked_seconds = 0.0  # time train_step spent in rounds that communicated
+        self.epoch_samples = 0  # samples this peer processed in its current epoch
         self._averagers: dict[tuple[int, int], DecentralizedAverager] = {}
         self._build()
 
@@ -66,6 +74,41 @@ class AlgorithmRunner:
         self.buckets = [Bucket(f"s{self.stage}b{i}", group) for i, group in enumerate(groups)]
         for bucket in self.buckets:
             self.impl.init_operations(bucket)
+
+    # ----- the StepEngine that Optimizer.step() drives
+
+    def train_step(self, batch_size: int, grad_scaler: BoundGradScaler | None) -> None:
+        """Skips a batch whose (unscaled) gradients overflowed, reports progress, runs :meth:`step`,
+        and enters the next epoch once the swarm reached ``target_batch_size``."""
+        context = self.context
+        if grad_scaler is not None:
+            if context.config.reuse_grad_buffers:
+                raise ConfigurationError("a GradScaler with an algorithm needs reuse_grad_buffers=False")
+            if grad_scaler.unscale_and_check():
+                logger.log(context.status_loglevel, "gradients overflowed: skipping this batch (the scale is lowered)")
+                return
+        self.epoch_samples += batch_size
+        context.tracker.report_local_progress(context.local_epoch, self.epoch_samples)
+        started = time.perf_counter()
+        if self.step(batch_size):
+            self.blocked_seconds += time.perf_counter() - started
+        if context.tracker.ready_to_update_epoch:
+            self.epoch_samples = 0
+            context.advance_epoch()
+
+    def collect_background_work(self, wait: bool) -> None:
+        """Nothing: an implementation's background work (e.g. AsyncModelAverage's thread) is its own."""
+
+    def prepare_for_download(self) -> None:
+        """Nothing to stop: rounds run inside ``step()``."""
+
+    def discard_local_progress(self) -> None:
+        """Nothing: the implementation's accumulators belong to its own schedule."""
+
+    def on_state_loaded(self) -> None:
+        self.impl.on_state_loaded()
+
+    # ----- the hooks
 
     def step(self, batch_size: int) -> bool:
         """One ``Optimizer.step()``; returns whether the algorithm communicated (and updated the model)."""
