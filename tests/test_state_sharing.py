@@ -40,7 +40,7 @@ from hivemind_ext.averaging.tensor_layout import TensorSpec, chunk_tensors
 from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import DeadlineExceededError, DonorBusyError, StateLoadError
 from hivemind_ext.p2p import Message, RPCClient
-from hivemind_ext.runtime import LoopThread
+from hivemind_ext.p2p.loop_thread import LoopThread
 
 pytestmark = pytest.mark.slow
 

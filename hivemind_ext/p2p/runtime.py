@@ -5,7 +5,7 @@ Optimizer (gradients, state), its progress tracker, matchmaking, state donors, t
 decentralized SGD. Each of them calls ``PeerRuntime.acquire(dht)`` and gets the same
 :class:`PeerRuntime`, which owns, once for the peer:
 
-- one event-loop thread (:class:`~hivemind_ext.runtime.LoopThread`) that runs all their networking;
+- one event-loop thread (:class:`~hivemind_ext.p2p.loop_thread.LoopThread`) that runs all their networking;
 - one P2P replica of the DHT's libp2p daemon (:func:`replicate_dht_daemon`), made on first use
   (:meth:`PeerRuntime.start_network`), so a component that only reads the DHT starts no replica;
 - one root :class:`~hivemind_ext.p2p.server.RPCServer`; a component registers its handlers on a
@@ -40,7 +40,7 @@ from hivemind_ext.errors import ClosedError, HivemindExtError
 from hivemind_ext.p2p.deadlines import now, wait_until
 from hivemind_ext.p2p.dht_calls import DHTCalls
 from hivemind_ext.p2p.server import RPCServer
-from hivemind_ext.runtime import LoopThread
+from hivemind_ext.p2p.loop_thread import LoopThread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
