@@ -39,8 +39,8 @@ from hivemind.p2p import P2P
 from hivemind_ext.errors import ClosedError, HivemindExtError
 from hivemind_ext.p2p.deadlines import now, wait_until
 from hivemind_ext.p2p.dht_calls import DHTCalls
-from hivemind_ext.p2p.server import RPCServer
 from hivemind_ext.p2p.loop_thread import LoopThread
+from hivemind_ext.p2p.server import RPCServer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
