@@ -15,6 +15,7 @@ crossing to host memory and back.
 
     python benchmarks/compression.py                      # CPU, 1M / 16M / 64M values
     python benchmarks/compression.py --sizes 1M 16M --codecs MinMaxUInt8 Float16Compression
+    python benchmarks/compression.py --sizes 16M --codecs Float16Compression Float16OrMinMax16
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Case:
 CASES = [
     Case("NoCompression", ours.NoCompression, "NoCompression"),
     Case("Float16Compression", ours.Float16Compression, "Float16Compression"),
+    # the all-reduce's codec where the user's is Float16Compression: same bytes, chosen per tensor
+    Case("Float16OrMinMax16", ours.Float16OrMinMax16, "Float16Compression"),
     Case("ScaledFloat16Compression", ours.ScaledFloat16Compression, "ScaledFloat16Compression"),
     Case("BFloat16Compression", ours.BFloat16Compression, None),
     Case("Uniform8BitQuantization", lambda: ours.Uniform8BitQuantization(), "Uniform8BitQuantization"),

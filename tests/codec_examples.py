@@ -15,6 +15,7 @@ from hivemind_ext.compression import (
     Codec,
     ErrorFeedback,
     Float16Compression,
+    Float16OrMinMax16,
     NoCompression,
     PerTensorCompression,
     RoleAdaptiveCompression,
@@ -37,6 +38,7 @@ def float_codec_examples() -> list[Codec]:
     return [
         NoCompression(),
         Float16Compression(),
+        Float16OrMinMax16(),
         BFloat16Compression(),
         ScaledFloat16Compression(),
         ScaledFloat16Compression(chunk_size=1),

@@ -94,6 +94,21 @@ def test_codecs_stay_within_their_error_bound(swarm: Swarm, codec, atol, rtol) -
         assert outcome.result.all_averaged
 
 
+def test_float16_rounds_are_more_precise_than_float16_and_identical_everywhere(swarm: Swarm) -> None:
+    """With Float16Compression, chunks travel as Float16OrMinMax16 both ways (same bytes): every member
+    gets the same values (check_round), far closer to the mean than float16 could hold it."""
+    peers = swarm.peers
+    inputs = [[10 + torch.rand(3000, generator=torch.Generator().manual_seed(50 + i))] for i in range(4)]
+    cfg = config(compression=Float16Compression())
+    outcomes = swarm.run(run_round(peers, group_of([p.member() for p in peers]), inputs, config=cfg))
+    check_round(peers, inputs, [1.0] * 4, outcomes, honest=range(4), atol=1e-3, rtol=0)
+    mean = sum(tensors[0] for tensors in inputs) / 4
+    float16_error = torch.mean((mean.half().float() - mean) ** 2).item()
+    for outcome in outcomes:
+        assert outcome.result.all_averaged
+        assert torch.mean((outcome.result.tensors[0] - mean) ** 2).item() < float16_error / 1000
+
+
 def test_client_mode_and_auxiliary_members(swarm: Swarm) -> None:
     """A client-mode member owns no part but contributes; an auxiliary member (no tensors) reduces a part."""
     peers = swarm.peers

@@ -1,5 +1,5 @@
 """The all-reduce's pure parts without a network: the layout, the wire messages, the reducer's
-explicit chunk bounds and late weights, and the fast finiteness check."""
+explicit chunk bounds and late weights, the fast finiteness check, and each chunk's codec."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hivemind_ext.averaging.allreduce.layout import member_roles, plan_layout
 from hivemind_ext.averaging.allreduce.partition import MemberRole
 from hivemind_ext.averaging.allreduce.reducer import PartReducer, all_finite
+from hivemind_ext.averaging.allreduce.round_state import chunk_codec
 from hivemind_ext.averaging.allreduce.wire import (
     PROTOCOL_VERSION,
     join_message,
@@ -27,7 +28,17 @@ from hivemind_ext.averaging.allreduce.wire import (
 )
 from hivemind_ext.averaging.matchmaking.group import Member
 from hivemind_ext.averaging.tensor_layout import TensorSpec, chunk_numel, parse_tensor_list
-from hivemind_ext.compression import NoCompression
+from hivemind_ext.compression import (
+    BFloat16Compression,
+    CompressionInfo,
+    ErrorFeedback,
+    Float16Compression,
+    Float16OrMinMax16,
+    MinMaxUInt8,
+    NoCompression,
+    PerTensorCompression,
+    SizeAdaptiveCompression,
+)
 from hivemind_ext.errors import ConfigurationError, ProtocolError
 from hivemind_ext.p2p import Message, pack_tensor
 
@@ -201,3 +212,19 @@ def test_gather_data_round_trips_arbitrary_msgpack() -> None:
     assert unpack_gather(pack_gather(data, 1024)) == data
     with pytest.raises(ProtocolError):
         unpack_gather(msgpack.packb([1])[:-1] + b"\xc1")
+
+
+def test_float16_chunks_of_float32_and_float64_tensors_travel_as_float16_or_minmax16() -> None:
+    """Same bytes as float16, never less precise (see test_compression_minmax16.py); float16 tensors,
+    other codecs and wrappers that keep state (error feedback) are left alone."""
+    f16, f32, f64 = (CompressionInfo(key=0, shape=(10,), dtype=dtype) for dtype in (F16, F32, F64))
+    assert isinstance(chunk_codec(Float16Compression(), f32), Float16OrMinMax16)
+    assert isinstance(chunk_codec(Float16Compression(), f64), Float16OrMinMax16)
+    assert type(chunk_codec(Float16Compression(), f16)) is Float16Compression
+    per_tensor = PerTensorCompression([Float16Compression(), MinMaxUInt8()])
+    assert isinstance(chunk_codec(per_tensor, f32), Float16OrMinMax16)  # an adaptive wrapper's pick
+    assert chunk_codec(per_tensor, CompressionInfo(key=1, shape=(10,))) is per_tensor
+    by_size = SizeAdaptiveCompression(5, less=NoCompression(), greater_equal=Float16Compression())
+    assert isinstance(chunk_codec(by_size, f32), Float16OrMinMax16)
+    for codec in (NoCompression(), BFloat16Compression(), MinMaxUInt8(), ErrorFeedback(Float16Compression())):
+        assert chunk_codec(codec, f32) is codec

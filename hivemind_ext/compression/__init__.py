@@ -27,6 +27,7 @@ from hivemind_ext.compression.floating import (
     ScaledFloat16Compression,
 )
 from hivemind_ext.compression.minmax import MinMaxUInt4, MinMaxUInt8
+from hivemind_ext.compression.minmax16 import Float16OrMinMax16
 from hivemind_ext.compression.quantization import (
     BlockwiseQuantization,
     Quantile8BitQuantization,
@@ -47,6 +48,7 @@ __all__ = [
     "CompressionInfo",
     "ErrorFeedback",
     "Float16Compression",
+    "Float16OrMinMax16",
     "MinMaxUInt4",
     "MinMaxUInt8",
     "NoCompression",

@@ -7,8 +7,10 @@ Life of the part (:meth:`OwnedPart.run`)::
       - senders that have not joined by the join deadline (start + next_chunk_timeout),
       - senders still sending at the collect deadline (start + collect_timeout)
     finalize: weighted mean over the senders that delivered the whole part (PartReducer)
-    publish: start compressing each chunk of the average once; every sender's stream handler
-      sends each of these messages as soon as it is ready
+    publish: start compressing each chunk of the average once (with Float16OrMinMax16 where the
+      round's codec is Float16Compression: same bytes, float16's error or less, see
+      round_state.chunk_codec); every sender's stream handler sends each of these messages as soon
+      as it is ready
     decode the same messages into this member's own outputs, so that every member ends the
       round with identical values (the round then waits, until its deadline, for the senders
       to hang up: only then has the average surely left this machine)
@@ -167,8 +169,9 @@ class OwnedPart:
         if self._average is None:
             raise AllreduceError("the part was compressed before it was averaged")
         segment = self._average[chunk.offset : chunk.offset + chunk.numel]
+        codec, info = self.context.codec_for(chunk)  # Float16OrMinMax16 where the round's codec is float16
         # the average is ours and read-only from here: the codec may alias or reuse it
-        return self.context.config.compression.compress(segment, self.context.compression_info(chunk), True)
+        return codec.compress(segment, info, True)
 
     # ----- bookkeeping
 

@@ -1,10 +1,10 @@
 """The state one member keeps for one all-reduce round, shared by its sending and owning sides.
 
 :class:`RoundContext` holds who is who in the group, the deadlines, the layout, the traffic counters
-and what this member learned (exclusions, gathered data). :class:`RoundTensors` reads chunks of the
-inputs and writes chunks of the outputs. :class:`CodecRunner` runs codec work off the event loop
-and remembers what is still running, so that a round never returns while a worker thread may
-still write into its outputs.
+and what this member learned (exclusions, gathered data), and which codec each chunk travels with
+(:func:`chunk_codec`). :class:`RoundTensors` reads chunks of the inputs and writes chunks of the
+outputs. :class:`CodecRunner` runs codec work off the event loop and remembers what is still
+running, so that a round never returns while a worker thread may still write into its outputs.
 """
 
 from __future__ import annotations
@@ -22,11 +22,35 @@ from hivemind_ext.averaging.allreduce.api import AllreduceConfig, PartOutcome, R
 from hivemind_ext.averaging.allreduce.layout import PartSpec, RoundLayout
 from hivemind_ext.averaging.matchmaking.group import Member
 from hivemind_ext.averaging.tensor_layout import ChunkSpec
-from hivemind_ext.compression import CompressionInfo
+from hivemind_ext.compression import (
+    AdaptiveCompressionBase,
+    Codec,
+    CompressionInfo,
+    Float16Compression,
+    Float16OrMinMax16,
+)
 from hivemind_ext.errors import AllreduceError, ClosedError, ConfigurationError
 from hivemind_ext.p2p import Limits, now
 
 T = TypeVar("T")
+
+_FLOAT16_OR_MINMAX16 = Float16OrMinMax16()
+
+
+def chunk_codec(codec: Codec, info: CompressionInfo) -> Codec:
+    """The codec a chunk described by ``info`` travels with, both ways: ``codec`` (or the one an
+    adaptive wrapper picks for the chunk), except that Float16Compression of a float32 or float64
+    tensor becomes Float16OrMinMax16: the same 2 bytes per value, as precise as float16 or more (it
+    sends uint16 codes over the chunk's [min, max] where they are more precise). The owner's one
+    message per chunk of the average then carries it far more precisely than float16 (every member
+    still decodes the same message to the same values), and so do the senders' slices, which the
+    average is computed from. Float16 tensors keep float16 (exact for their values)."""
+    chosen = codec
+    while isinstance(chosen, AdaptiveCompressionBase):
+        chosen = chosen.choose_compression(info)
+    if type(chosen) is Float16Compression and info.dtype in (torch.float32, torch.float64):
+        return _FLOAT16_OR_MINMAX16
+    return codec
 
 
 class RoundTensors:
@@ -235,6 +259,11 @@ class RoundContext:
             spec = self.layout.tensors[chunk.tensor]
             base = CompressionInfo(key=chunk.tensor, shape=spec.shape, dtype=spec.dtype)
         return base.get_part(chunk.piece, chunk.numel)
+
+    def codec_for(self, chunk: ChunkSpec) -> tuple[Codec, CompressionInfo]:
+        """The codec ``chunk`` travels with (see :func:`chunk_codec`) and the chunk's info."""
+        info = self.compression_info(chunk)
+        return chunk_codec(self.config.compression, info), info
 
     def not_averaged(self, part: PartSpec, reason: str) -> PartOutcome:
         """The outcome of a part that keeps this member's own values."""

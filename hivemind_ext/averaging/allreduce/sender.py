@@ -35,6 +35,7 @@ from hivemind_ext.compression import (
     BFloat16Compression,
     CompressedTensor,
     Float16Compression,
+    Float16OrMinMax16,
     NoCompression,
     decompress,
 )
@@ -43,7 +44,7 @@ from hivemind_ext.p2p import ClientStream, Message, RPCClient, TaskOwner, now
 
 logger = logging.getLogger(__name__)
 
-READ_ONLY_CODECS = (NoCompression, Float16Compression, BFloat16Compression)
+READ_ONLY_CODECS = (NoCompression, Float16Compression, Float16OrMinMax16, BFloat16Compression)
 
 
 async def exchange_with_owner(context: RoundContext, client: RPCClient, owner: int) -> PartOutcome:
@@ -110,8 +111,8 @@ async def _send_slice(context: RoundContext, stream: ClientStream, owner: int) -
 
 
 def _compress(context: RoundContext, chunk: ChunkSpec) -> asyncio.Future[CompressedTensor]:
-    codec = context.config.compression
-    values, info = context.tensors.input_chunk(chunk), context.compression_info(chunk)
+    codec, info = context.codec_for(chunk)  # Float16OrMinMax16 where the round's codec is float16
+    values = context.tensors.input_chunk(chunk)
     # a codec known never to write into its input may alias it (no defensive copy): NoCompression
     # then sends straight from the caller's tensor, which nothing modifies until the round returns
     return context.runner.submit(codec.compress, values, info, type(codec) in READ_ONLY_CODECS)

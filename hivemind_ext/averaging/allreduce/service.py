@@ -35,6 +35,16 @@ not need: NoCompression chunks go out from the caller's tensors and are reduced 
 bytes. ``AllreduceConfig.offload_codecs`` moves codec work to worker threads (see there why it is
 off by default).
 
+Codecs: every chunk travels both ways with the round's codec, except that where it is
+Float16Compression (itself, or an adaptive wrapper's pick for the chunk) and the tensor is float32
+or float64, chunks travel as :class:`~hivemind_ext.compression.Float16OrMinMax16`: the same 2 bytes
+per value, and for each chunk float16 or 16-bit codes over the chunk's [min, max], whichever has the
+smaller squared error (:func:`.round_state.chunk_codec`). The owner still sends ONE message per chunk
+of the average, which every member decodes to identical values; hivemind instead sends each sender
+float16 of the average minus what it sent, which leaves members with different values. Measured
+with hivemind's test_allreduce_compression tensors (a client and a full peer), the mean squared
+error is 7.8e-9 (hivemind: 3.9e-6, plain float16 both ways: 2.0e-5).
+
 Faults (see :mod:`.owner` and :mod:`.sender`): a sender that does not join
 within ``next_chunk_timeout`` of the round's start, leaves more than ``next_chunk_timeout``
 between two chunks, is still sending at ``collect_timeout``, breaks the protocol or sends invalid
