@@ -185,3 +185,66 @@ def test_float16_averaging_error_is_within_hiveminds_bound(swarm: list[hivemind.
             assert 0 < torch.mean(torch.square(averaged - exact)).item() <= 1e-5
     for mine, theirs in zip(*results, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
+
+
+# ----- item 4: auxiliary peers with at most one contributing peer, and every member in the result
+
+
+@pytest.fixture(scope="module")
+def four_peers() -> Iterator[list[hivemind.DHT]]:
+    with local_swarm(4) as dhts:
+        yield dhts
+
+
+@pytest.mark.parametrize(
+    "modes",
+    [
+        ("NODE", "AUX", "AUX", "AUX"),  # hivemind's test_allreduce_once_edge_cases (0, 3)
+        ("AUX", "CLIENT", "AUX", "AUX"),  # (1, 3)
+        ("CLIENT", "AUX", "CLIENT", "AUX"),  # test_allreduce_once (2, 2)
+        ("AUX", "NODE", "CLIENT", "AUX"),  # (1, 2)
+    ],
+    ids=lambda modes: "-".join(modes),
+)
+def test_allreduce_once_with_auxiliary_peers(four_peers: list[hivemind.DHT], modes: tuple[str, ...]) -> None:
+    """hivemind's _test_allreduce_once: every step finishes, every result lists every member (auxiliary
+    ones included), and the contributors hold the mean of the contributors' tensors (with one
+    contributor: its own tensors, unchanged)."""
+    torch.manual_seed(0)
+    peer_tensors = [
+        [torch.randn(123), torch.zeros(3)],
+        [torch.rand(123), torch.ones(3)],
+        [-torch.rand(123), torch.arange(3).to(torch.float32)],
+        [torch.randn(123) ** 3, torch.arange(3).to(torch.float32) / 2],
+    ]
+    contributing = [tensors for tensors, mode in zip(peer_tensors, modes, strict=True) if mode != "AUX"]
+    reference = [sum(tensors[i] for tensors in contributing) / max(1, len(contributing)) for i in range(2)]
+    prefix = fresh_prefix()
+    averagers = [
+        DecentralizedAverager(
+            [tensor.clone() for tensor in tensors],
+            dht,
+            target_group_size=4,
+            min_matchmaking_time=15,
+            prefix=prefix,
+            client_mode=mode == "CLIENT",
+            auxiliary=mode == "AUX",
+            start=True,
+        )
+        for tensors, dht, mode in zip(peer_tensors, four_peers, modes, strict=True)
+    ]
+    try:
+        started = time.monotonic()
+        controls = [averager.step(wait=False) for averager in averagers]
+        for control in controls:
+            result = control.result(timeout=30)  # hivemind: about 10 s; without the fix, never
+            assert {averager.peer_id for averager in averagers} <= set(result)
+        assert time.monotonic() - started < 30
+        for averager in averagers:
+            if averager.mode != AveragingMode.AUX:
+                with averager.get_tensors() as averaged:
+                    for ref, ours in zip(reference, averaged, strict=True):
+                        assert torch.allclose(ref, ours, atol=1e-6)
+    finally:
+        for averager in averagers:
+            averager.shutdown()

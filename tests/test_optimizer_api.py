@@ -11,6 +11,7 @@ contributes weight 0 to the group's average.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
 import threading
@@ -23,7 +24,8 @@ from typing import Any
 import hivemind
 import pytest
 import torch
-from swarm import local_swarm, new_peer, wait_for
+from hivemind.utils.crypto import RSAPrivateKey
+from swarm import addresses, local_swarm, new_peer, wait_for
 
 import hivemind_ext
 from hivemind_ext.compression import NoCompression
@@ -288,6 +290,121 @@ def test_solo_peer_steps_on_its_own_mean_gradient(dht: hivemind.DHT) -> None:
         assert opt.last_epoch_samples == 8
         for p, ref, g in zip(model.parameters(), reference.parameters(), expected_grads, strict=True):
             torch.testing.assert_close(p.detach(), ref.detach() - 0.1 * g)
+
+
+# hivemind's tests/test_optimizer.py::test_optimizer modes: (use_local_updates, delay_state_averaging,
+# delay_optimizer_step, delay_grad_averaging, reuse_grad_buffers)
+HIVEMIND_TEST_MODES = [
+    (False, False, False, False, False),
+    (False, True, False, False, False),
+    (False, True, True, True, False),
+    (False, False, False, False, True),
+    (False, True, True, True, True),
+    (False, True, True, False, True),
+    (True, False, False, False, False),
+    (True, True, False, False, False),
+]
+
+
+def hivemind_test_optimizer(
+    dht: hivemind.DHT, model: torch.nn.Module, mode: tuple[bool, ...], batch_size: int = 4
+) -> hivemind_ext.Optimizer:
+    """The Optimizer exactly as hivemind's tests/test_optimizer.py::_test_optimizer builds it."""
+    use_local_updates, delay_state_averaging, delay_optimizer_step, delay_grad_averaging, reuse_grad_buffers = mode
+    return hivemind_ext.Optimizer(
+        run_id=f"hivemind_test_{uuid.uuid4().hex[:10]}",
+        target_batch_size=32,
+        batch_size_per_step=batch_size,
+        params=model.parameters(),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, gamma=0.5, step_size=1),
+        dht=new_peer(addresses(dht)),
+        tracker_opts=dict(private_key=RSAPrivateKey(), max_refresh_period=1.0),
+        averager_opts=dict(request_timeout=0.5),
+        use_local_updates=use_local_updates,
+        matchmaking_time=1.0,
+        averaging_timeout=5.0,
+        reuse_grad_buffers=reuse_grad_buffers,
+        delay_state_averaging=delay_state_averaging,
+        delay_grad_averaging=delay_grad_averaging,
+        delay_optimizer_step=delay_optimizer_step,
+        average_state_every=1,
+        client_mode=False,
+        verbose=False,
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", HIVEMIND_TEST_MODES, ids=[str(i) for i in range(len(HIVEMIND_TEST_MODES))])
+def test_hivemind_test_settings_are_accepted_with_their_meaning(dht: hivemind.DHT, mode: tuple[bool, ...]) -> None:
+    opt = hivemind_test_optimizer(dht, make_model(), mode)
+    try:
+        assert opt.tracker.config.max_refresh_period == 1.0  # the user's value; the 3 s default follows it
+        assert opt.tracker.config.default_refresh_period <= 1.0
+        assert opt.state_averager.matchmaking_config.request_timeout == 0.5
+        assert opt.state_averager.matchmaking_config.min_matchmaking_time == 1.0
+        assert opt.use_local_updates == mode[0] and opt.reuse_grad_buffers == mode[4]
+        assert (opt.grad_averager is None) == mode[0]
+    finally:
+        opt.shutdown()
+        opt.dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_hivemind_benchmark_settings_are_accepted(dht: hivemind.DHT) -> None:
+    model = make_model()
+    opt = hivemind_ext.Optimizer(  # hivemind's benchmarks/benchmark_optimizer.py, a client-mode trainer
+        run_id=f"benchmark_{uuid.uuid4().hex[:10]}",
+        target_batch_size=256,
+        batch_size_per_step=8,
+        params=model.parameters(),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, gamma=0.1, step_size=10),
+        dht=new_peer(addresses(dht), client_mode=True),
+        tracker_opts=dict(private_key=RSAPrivateKey(), max_refresh_period=5.0),
+        matchmaking_time=5.0,
+        averaging_timeout=15.0,
+        reuse_grad_buffers=True,
+        delay_grad_averaging=True,
+        delay_optimizer_step=True,
+        average_state_every=1,
+        client_mode=True,
+        verbose=True,
+    )
+    try:
+        assert opt.tracker.config.max_refresh_period == 5.0 and opt.client_mode
+    finally:
+        opt.shutdown()
+        opt.dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_hivemind_solo_training_run_measures_speed_and_finishes_its_scheduled_round(dht: hivemind.DHT) -> None:
+    """hivemind's _test_optimizer with one peer: 3 epochs of 32 samples, 4 samples every 0.3 s."""
+    torch.manual_seed(0)
+    features = torch.randn(100, 5)
+    targets = features @ torch.randn(5, 1)
+    model = torch.nn.Linear(5, 1)
+    opt = hivemind_test_optimizer(dht, model, (False, True, True, True, True))
+    samples, batch_time = 0, 0.3
+    try:
+        opt.load_state_from_peers()
+        prev_time = time.perf_counter()
+        while opt.local_epoch < 3:
+            time.sleep(max(0.0, prev_time + batch_time - time.perf_counter()))
+            rows = torch.randint(0, len(features), (4,))
+            torch.nn.functional.mse_loss(model(features[rows]), targets[rows]).backward()
+            opt.step()
+            samples += 4
+            prev_time = time.perf_counter()
+        time.sleep(1.0)
+    finally:
+        opt.shutdown()
+        opt.dht.shutdown()
+    assert opt.local_epoch == opt.tracker.global_epoch == 3
+    assert 32 * 3 <= samples <= 32 * 3 * 1.2
+    assert 4 / 0.3 * 0.8 <= opt.tracker.performance_ema.samples_per_second <= 4 / 0.3 * 1.2
+    assert opt.scheduled_grads is None or opt.scheduled_grads.done()
 
 
 # ------------------------------------------------------------------ 3. invalid combinations

@@ -24,6 +24,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.performance_ema import PerformanceEMA
 from hypothesis import given
 from hypothesis import strategies as st
 from swarm import local_swarm, new_peer, wait_for
@@ -36,6 +37,7 @@ from hivemind_ext.optim.progress import (
     ProgressRecordValidator,
     ProgressTracker,
     ProgressTrackerConfig,
+    SpeedEstimate,
     aggregate_progress,
     is_ready_to_update_epoch,
     parse_progress_records,
@@ -241,6 +243,57 @@ def test_config_is_checked(bad: dict[str, Any]) -> None:
         ProgressTrackerConfig(**{"prefix": "run", "target_batch_size": 100, **bad})
 
 
+@pytest.mark.parametrize(
+    ("given", "used"),
+    [
+        # hivemind's tests/test_optimizer.py: max below the 3 s default period (default follows it)
+        (dict(max_refresh_period=1.0), (0.5, 1.0, 1.0, 60.0)),
+        (dict(min_refresh_period=0.1, default_refresh_period=0.2, max_refresh_period=0.5), (0.1, 0.2, 0.5, 60.0)),
+        (dict(min_refresh_period=2.0, default_refresh_period=1.0), (2.0, 2.0, 10.0, 60.0)),
+        (dict(min_refresh_period=2.0, max_refresh_period=1.0), (1.0, 1.0, 1.0, 60.0)),  # hivemind's clip: max
+        (dict(max_refresh_period=100.0), (0.5, 3.0, 30.0, 60.0)),  # below the records' lifetime
+        (dict(metadata_expiration=4.0), (0.5, 2.0, 2.0, 4.0)),
+    ],
+)
+def test_periods_that_hivemind_accepts_are_clamped_not_refused(given: dict[str, float], used: tuple) -> None:
+    config = ProgressTrackerConfig.resolve(prefix="run", target_batch_size=100, **given)
+    periods = ("min_refresh_period", "default_refresh_period", "max_refresh_period", "metadata_expiration")
+    assert tuple(getattr(config, name) for name in periods) == used
+
+
+@pytest.mark.parametrize("bad", [dict(min_refresh_period=0.0), dict(max_refresh_period=-1.0), dict(prefix="")])
+def test_meaningless_periods_are_still_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError):
+        ProgressTrackerConfig.resolve(**{"prefix": "run", "target_batch_size": 100, **bad})
+
+
+def test_speed_estimate_has_hivemind_performance_ema_interface_and_numbers() -> None:
+    ours, theirs = SpeedEstimate(alpha=0.3), PerformanceEMA(alpha=0.3)
+    assert ours.alpha == theirs.alpha and ours.num_updates == theirs.num_updates == 0
+    assert ours.samples_per_second < 1e-9 and theirs.samples_per_second < 1e-9  # nothing measured yet
+    for task_size, interval in [(10, 1.0), (5, 2.0), (40, 0.5), (1, 3.0)]:
+        assert ours.update(task_size, interval) == pytest.approx(theirs.update(task_size, interval), rel=1e-9)
+        assert ours.samples_per_second == pytest.approx(theirs.samples_per_second, rel=1e-9)
+    assert ours.num_updates == theirs.num_updates == 4
+    assert "num_updates=4" in repr(ours)
+    with pytest.raises(ValueError):
+        ours.update(0)
+
+    timed = SpeedEstimate(alpha=1.0)
+    timed.reset_timer()
+    time.sleep(0.1)
+    assert 40 < timed.update(10) <= 100  # 10 samples in 0.1 s (or more time, if the host is busy)
+    with timed.pause():
+        assert timed.paused
+        time.sleep(0.3)  # paused: does not count
+    assert not timed.paused
+    time.sleep(0.1)
+    assert timed.update(10) > 40
+    with timed.update_threadsafe(10):
+        time.sleep(0.1)
+    assert 40 < timed.samples_per_second <= 100
+
+
 # ---------------------------------------------------------------------------------------------
 # real trackers on a local swarm
 
@@ -385,6 +438,26 @@ def test_forged_unsigned_and_malformed_records_are_not_counted(swarm, trackers) 
 
 
 @pytest.mark.timeout(60)
+def test_hivemind_tracker_settings_are_accepted_with_one_warning(
+    swarm: list[hivemind.DHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    made = []
+    with caplog.at_level(logging.WARNING, logger="hivemind_ext.optim.progress"):
+        for _ in range(2):  # what hivemind's tests/test_optimizer.py passes through tracker_opts
+            made.append(
+                ProgressTracker(swarm[0], new_prefix(), 32, private_key=KEYS[0], max_refresh_period=1.0, start=True)
+            )
+    try:
+        for tracker in made:
+            assert tracker.config.max_refresh_period == 1.0 and tracker.config.default_refresh_period == 1.0
+            assert tracker.global_progress.next_fetch_time <= get_dht_time() + 1.0
+        assert len([r for r in caplog.records if "refresh periods" in r.getMessage()]) <= 1
+    finally:
+        for tracker in made:
+            tracker.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_pause_updates_holds_publishing_and_the_global_view(trackers) -> None:
     prefix = new_prefix()
     first, second = trackers(0, prefix), trackers(1, prefix)
@@ -423,6 +496,13 @@ def test_report_without_updating_global_samples_and_speed_estimate(trackers) -> 
     tracker.report_local_progress(1, 10)
     # the moving average of 0.02 and 0.01 s/sample gives ~70 samples/s; had the pause counted, 0.11 s/sample: ~15
     assert tracker.local_progress.samples_per_second > 30
+
+    # hivemind's name for the estimate the tracker publishes
+    assert tracker.performance_ema.samples_per_second == tracker.local_progress.samples_per_second
+    assert tracker.performance_ema.alpha == 0.1 and tracker.performance_ema.num_updates == 2
+    with tracker.pause_updates():
+        assert tracker.performance_ema.paused
+    assert not tracker.performance_ema.paused
 
     tracker.report_local_progress(1, 30, update_global_samples=False)
     assert tracker.global_progress.samples_accumulated == 10

@@ -559,7 +559,10 @@ class DecentralizedAverager:
                 tensor_infos=self.tensor_infos,
                 out=outputs if outputs else None,
             )
-            if group.size > 1 and not any(len(part.contributors) > 1 for part in result.parts):
+            # a group with at most one contributor (the others auxiliary) has nothing to average: its
+            # round succeeds with the contributor's own values, as in hivemind
+            contributors = sum(not member.auxiliary for member in group.members)
+            if contributors > 1 and not any(len(part.contributors) > 1 for part in result.parts):
                 raise AllreduceError(f"the round with {group.size} peers averaged nothing: {result.excluded}")
             if not self.auxiliary:
                 with self._lock:  # the outputs are this round's scratch tensors: the delta goes in place

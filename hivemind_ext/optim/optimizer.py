@@ -437,6 +437,11 @@ class Optimizer(torch.optim.Optimizer):
         return impl.scheduled_round if isinstance(impl, SyncGradientsImpl) else None
 
     @property
+    def scheduled_grads(self) -> StepControl | None:
+        """hivemind's name for :attr:`scheduled_round`."""
+        return self.scheduled_round
+
+    @property
     def last_epoch_samples(self) -> int:
         """Samples averaged in this peer's last epoch (its group's total; synchronous path)."""
         impl = self._engine

@@ -124,6 +124,24 @@ class ProgressTrackerConfig:
         if not _is_real(self.performance_ema_alpha) or not 0 < self.performance_ema_alpha <= 1:
             raise ConfigurationError(f"performance_ema_alpha must be in (0, 1], got {self.performance_ema_alpha!r}")
 
+    @classmethod
+    def resolve(cls, **kwargs: Any) -> ProgressTrackerConfig:
+        """The config for hivemind's constructor arguments: where hivemind accepts periods that break
+        the rules above, the dependent ones are clamped (and a warning says so, once per process)
+        instead of refused. ``max_refresh_period`` stays below ``metadata_expiration`` (clamped to half
+        of it, the keepalive period); ``min_refresh_period`` at most ``max_refresh_period`` (hivemind's
+        clip then waits ``max_refresh_period``, as here); ``default_refresh_period`` within the two (the
+        fetch period is clamped to them anyway). A period that is not a positive finite number is still
+        refused: it means nothing (zero would fetch in a busy loop)."""
+        fields = {field.name: field.default for field in dataclasses.fields(cls)}
+        values = {name: kwargs.get(name, fields[name]) for name in _PERIODS}
+        if all(_is_real(value) and 0 < value < math.inf for value in values.values()):
+            changed = _clamp_periods(values)
+            if changed:
+                _warn_once_about_periods(changed)
+            kwargs.update(values)
+        return cls(**kwargs)
+
     @property
     def training_progress_key(self) -> str:
         return f"{self.prefix}_progress"
@@ -133,6 +151,32 @@ class ProgressTrackerConfig:
         """Deadline of one background DHT call: long enough for a slow swarm, short enough that a
         dead one cannot make the record expire before the tracker notices."""
         return min(max(5.0, 2 * self.max_refresh_period), self.metadata_expiration / 2)
+
+
+_PERIODS = ("min_refresh_period", "default_refresh_period", "max_refresh_period", "metadata_expiration")
+_periods_warning = threading.Lock()  # taken for good by the first warning: at most one per process
+
+
+def _clamp_periods(values: dict[str, float]) -> list[str]:
+    """Makes ``values`` (the periods in ``_PERIODS``) satisfy ProgressTrackerConfig's rules by moving
+    the dependent ones; returns what changed, as ``name: old -> new``."""
+    before = dict(values)
+    if values["max_refresh_period"] >= values["metadata_expiration"]:
+        values["max_refresh_period"] = values["metadata_expiration"] / 2
+    values["min_refresh_period"] = min(values["min_refresh_period"], values["max_refresh_period"])
+    values["default_refresh_period"] = min(
+        max(values["default_refresh_period"], values["min_refresh_period"]), values["max_refresh_period"]
+    )
+    return [f"{name}: {before[name]} -> {values[name]}" for name in _PERIODS if values[name] != before[name]]
+
+
+def _warn_once_about_periods(changed: list[str]) -> None:
+    if _periods_warning.acquire(blocking=False):
+        logger.warning(
+            "ProgressTracker: the refresh periods given need min <= default <= max < metadata_expiration; "
+            "using %s (this warning is shown once)",
+            ", ".join(changed),
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,49 +342,110 @@ def is_ready_to_update_epoch(global_progress: GlobalTrainingProgress, local_epoc
 class SpeedEstimate:
     """Samples per second as an exponential moving average of the seconds per sample (so that a
     report of many samples weighs as much as several small ones), corrected for its zero start.
-    Time spent paused does not count."""
+    Time spent paused does not count.
 
-    def __init__(self, alpha: float):
+    It is the tracker's :attr:`ProgressTracker.performance_ema`, with the observable interface of
+    hivemind's ``PerformanceEMA``: ``samples_per_second``, ``alpha``, ``num_updates``,
+    ``update(task_size, interval=None)``, ``reset_timer()``, ``pause()`` (a context manager) and
+    ``update_threadsafe(task_size)``. One difference: leaving ``pause()`` resumes the clock where it
+    stopped (hivemind restarts it), so the samples of a step that was interrupted by a pause are
+    timed by the time spent on them outside it."""
+
+    def __init__(self, alpha: float = 0.1):
         self.alpha = alpha
+        self._lock = threading.RLock()
         self._seconds_per_sample = 0.0
         self._num_updates = 0
         self._since = time.monotonic()
         self._paused_at: float | None = None
         self._paused_seconds = 0.0
+        self._holds = 0  # nested pauses (the tracker's pause_updates and the user's pause())
 
     @property
     def samples_per_second(self) -> float:
-        if self._num_updates == 0:
-            return 0.0
-        debiased = self._seconds_per_sample / (1 - (1 - self.alpha) ** self._num_updates)
-        return 1.0 / debiased if debiased > 0 else 0.0
+        with self._lock:
+            if self._num_updates == 0:
+                return 0.0
+            debiased = self._seconds_per_sample / (1 - (1 - self.alpha) ** self._num_updates)
+            return 1.0 / debiased if debiased > 0 else 0.0
 
-    def update(self, num_samples: int) -> None:
-        now = time.monotonic()
-        paused = self._paused_seconds + (now - self._paused_at if self._paused_at is not None else 0.0)
-        elapsed = max(0.0, now - self._since - paused)
-        self._restart(now)
-        if num_samples <= 0 or elapsed <= 0:
-            return
-        self._seconds_per_sample = self.alpha * elapsed / num_samples + (1 - self.alpha) * self._seconds_per_sample
-        self._num_updates += 1
+    @property
+    def num_updates(self) -> int:
+        return self._num_updates
+
+    @property
+    def paused(self) -> bool:
+        return self._holds > 0
+
+    def update(self, task_size: float, interval: float | None = None) -> float:
+        """Counts ``task_size`` samples done in ``interval`` seconds (default: the unpaused time since
+        the last update or timer reset); returns the new :attr:`samples_per_second`.
+
+        :raises ValueError: ``task_size`` is not positive, or ``interval`` is negative
+        """
+        if not _is_real(task_size) or not 0 < task_size < math.inf:
+            raise ValueError(f"task_size must be a positive number, got {task_size!r}")
+        if interval is not None and (not _is_real(interval) or not 0 <= interval < math.inf):
+            raise ValueError(f"interval must be a non-negative number of seconds, got {interval!r}")
+        with self._lock:
+            now = time.monotonic()
+            if interval is None:
+                paused = self._paused_seconds + (now - self._paused_at if self._paused_at is not None else 0.0)
+                interval = max(0.0, now - self._since - paused)
+            self._restart(now)
+            if interval > 0:
+                self._seconds_per_sample = (
+                    self.alpha * interval / task_size + (1 - self.alpha) * self._seconds_per_sample
+                )
+                self._num_updates += 1
+            return self.samples_per_second
 
     def reset_timer(self) -> None:
-        self._restart(time.monotonic())
+        """The next update counts from now."""
+        with self._lock:
+            self._restart(time.monotonic())
 
-    def pause(self) -> None:
-        if self._paused_at is None:
-            self._paused_at = time.monotonic()
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Inside the block, time does not count toward the estimate (blocks may nest)."""
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
 
-    def resume(self) -> None:
-        if self._paused_at is not None:
-            self._paused_seconds += time.monotonic() - self._paused_at
-            self._paused_at = None
+    @contextlib.contextmanager
+    def update_threadsafe(self, task_size: float) -> Iterator[None]:
+        """Counts ``task_size`` samples done by the block, timed from its start (or from the last
+        update, if a concurrent block updated since)."""
+        started = time.monotonic()
+        yield
+        with self._lock:
+            self.update(task_size, interval=time.monotonic() - max(started, self._since))
+
+    def hold(self) -> None:
+        """Stops the clock until the matching :meth:`release`."""
+        with self._lock:
+            self._holds += 1
+            if self._paused_at is None:
+                self._paused_at = time.monotonic()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._holds == 0:
+                return
+            self._holds -= 1
+            if self._holds == 0 and self._paused_at is not None:
+                self._paused_seconds += time.monotonic() - self._paused_at
+                self._paused_at = None
 
     def _restart(self, now: float) -> None:
         self._since, self._paused_seconds = now, 0.0
         if self._paused_at is not None:
             self._paused_at = now
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(ema={self.samples_per_second:.5f}, num_updates={self._num_updates})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,7 +484,7 @@ class ProgressTracker:
         daemon: bool = True,
         start: bool,
     ):
-        self.config = ProgressTrackerConfig(
+        self.config = ProgressTrackerConfig.resolve(
             prefix=prefix,
             target_batch_size=target_batch_size,
             min_refresh_period=min_refresh_period,
@@ -440,6 +545,12 @@ class ProgressTracker:
     def runtime(self) -> PeerRuntime:
         """The peer runtime whose DHT helper this tracker calls (shared with the peer's averagers)."""
         return self._runtime
+
+    @property
+    def performance_ema(self) -> SpeedEstimate:
+        """This peer's measured speed (samples per second), with the interface of hivemind's
+        ``PerformanceEMA`` (see :class:`SpeedEstimate`); it is what the tracker publishes."""
+        return self._speed
 
     @property
     def local_progress(self) -> LocalTrainingProgress:
@@ -519,14 +630,13 @@ class ProgressTracker:
         from several threads."""
         with self._lock:
             self._paused += 1
-            self._speed.pause()
+            self._speed.hold()
         try:
             yield
         finally:
             with self._lock:
                 self._paused -= 1
-                if self._paused == 0:
-                    self._speed.resume()
+                self._speed.release()
             self._wake.set()
 
     def start(self) -> None:
@@ -790,6 +900,7 @@ __all__ = [
     "ProgressRecordValidator",
     "ProgressTracker",
     "ProgressTrackerConfig",
+    "SpeedEstimate",
     "aggregate_progress",
     "is_ready_to_update_epoch",
     "parse_progress_records",

@@ -72,6 +72,8 @@ class RoundRun:
         return self._result({owner: outcome for owner, outcome in outcomes.items() if outcome is not None})
 
     async def _run_own_part(self) -> PartOutcome | None:
+        if self.part is None and not self.context.senders():
+            return None  # nobody contributes, so nobody will JOIN: the round is over (as in hivemind)
         if self.part is None:  # an auxiliary member without tensors: the first valid JOIN brings the layout
             try:
                 await wait_until(self._part_ready.wait(), self.context.join_deadline, "waiting for a sender")
@@ -106,7 +108,9 @@ class RoundRun:
             tensors=context.tensors.results(),
             parts=tuple(parts),
             excluded=dict(context.excluded),
-            gathered=_decode_gathered(context.all_gathered()),
+            # every member is listed, as in hivemind; None where its data did not reach this member
+            # (two auxiliary members exchange nothing)
+            gathered={**dict.fromkeys(context.peers), **_decode_gathered(context.all_gathered())},
             bytes_sent=context.traffic.sent,
             bytes_received=context.traffic.received,
         )

@@ -62,7 +62,8 @@ Gather: every sender puts its (packed) gather data into its JOIN to every owner;
 echoes all the gather data it holds (its own, its senders', what other owners echoed to it) in
 its RESULT. So every member receives the data of every member that reached it directly or through
 an owner: a client-mode member through the owners, an auxiliary member from its senders (two
-auxiliary members never learn each other's data: neither opens a stream). Parts of size zero
+auxiliary members never learn each other's data: neither opens a stream; the result still lists
+every member, with None for data that did not arrive, as hivemind's does). Parts of size zero
 still carry JOIN and RESULT, so gather works with any sizes.
 
 Routing: the service registers one stream handler (``"allreduce"``) on the RPC server and routes
