@@ -199,6 +199,7 @@ def four_peers() -> Iterator[list[hivemind.DHT]]:
 @pytest.mark.parametrize(
     "modes",
     [
+        ("AUX", "AUX", "AUX", "AUX"),  # hivemind's test_allreduce_once_edge_cases (0, 4): nothing to average
         ("NODE", "AUX", "AUX", "AUX"),  # hivemind's test_allreduce_once_edge_cases (0, 3)
         ("AUX", "CLIENT", "AUX", "AUX"),  # (1, 3)
         ("CLIENT", "AUX", "CLIENT", "AUX"),  # test_allreduce_once (2, 2)

@@ -348,7 +348,7 @@ def test_weighted_average_is_the_exact_weighted_mean(lib: Library, swarm: list[h
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("n_clients, n_aux", [(1, 1), (1, 3)])
+@pytest.mark.parametrize("n_clients, n_aux", [(1, 1), (1, 3), (0, 4)])
 def test_auxiliary_and_client_peers(lib: Library, swarm: list[hivemind.DHT], n_clients: int, n_aux: int) -> None:
     """hivemind's test_allreduce_once (and _edge_cases): every peer's result names every member, and
     non-auxiliary peers hold the mean of the non-auxiliary peers' tensors."""

@@ -27,6 +27,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     GroupInfo,
     MatchmakingConfig,
     SealedGroup,
+    all_auxiliary,
     group_id_for,
 )
 from hivemind_ext.averaging.matchmaking.protocol import (
@@ -214,6 +215,28 @@ def test_a_group_too_small_at_commit_time_is_abandoned_and_everyone_retries() ->
     board = board_after(*result.writes, board=board)
     follower = step(Following(declaration(1), leading.group), leading.group.commit_by + 0.1, board, cfg)
     assert isinstance(follower.state, Looking) and follower.group is None
+
+
+def test_an_all_auxiliary_group_commits_but_a_mixed_one_left_with_auxiliary_peers_is_abandoned() -> None:
+    cfg = config()
+    aux = [declaration(i, auxiliary=True, ready_at=NOW) for i in range(1, 4)]
+    result = step(Looking(fresh(0, auxiliary=True, ready_at=NOW)), NOW, board_of(*aux), cfg)
+    leading = result.state
+    assert isinstance(leading, Leading)
+    board = _confirm(board_after(*result.writes, board=board_of(*aux)), leading.group, ())
+    board = board_after(*(marker_write(d.member.key, leading.group.group_id, 1_000.0) for d in aux), board=board)
+    committed = step(leading, NOW + 0.1, board, cfg)
+    assert committed.group is not None and len(committed.group.members) == 4  # nothing to average: they finish
+
+    # an auxiliary leader seals a group with a trainer; the trainer never confirms: what is left has
+    # nothing to average, so the group is abandoned and the auxiliary peers look for one with work
+    mixed = [declaration(1), *(declaration(i, auxiliary=True) for i in (2, 3))]
+    sealed = step(Looking(fresh(0, auxiliary=True)), NOW, board_of(*mixed), cfg)
+    mixed_leader = sealed.state
+    assert isinstance(mixed_leader, Leading) and not all_auxiliary(mixed_leader.group.members)
+    mixed_board = _confirm(board_after(*sealed.writes, board=board_of(*mixed)), mixed_leader.group, (2, 3))
+    abandoned = step(mixed_leader, mixed_leader.group.commit_by, mixed_board, cfg)
+    assert abandoned.group is None and isinstance(abandoned.state, Looking)
 
 
 def test_a_member_left_out_of_the_commit_looks_again() -> None:

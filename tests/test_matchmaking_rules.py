@@ -33,6 +33,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     MatchmakingConfig,
     Member,
     SealedGroup,
+    all_auxiliary,
     group_id_for,
     is_viable,
     looking_peers,
@@ -179,6 +180,20 @@ def test_groups_that_cannot_run_are_not_formed() -> None:
     assert sizes(plan_groups(NOT_DUE, mixed, config())) == [4]  # the auxiliary peer reduces, clients bring data
 
 
+def test_auxiliary_peers_alone_form_a_group_only_once_due() -> None:
+    """hivemind's edge case of auxiliary peers and no trainer: their steps finish (nothing to average)
+    instead of waiting out the deadline; before the scheduled time they wait for trainers to come."""
+    alone = [declaration(i, auxiliary=True, ready_at=10.0) for i in range(4)]
+    assert plan_groups(5.0, alone, config()) == []
+    (group,) = plan_groups(10.0, alone, config())
+    assert all_auxiliary(d.member for d in group) and len(group) == 4
+    assert len(plan_groups(10.0, alone, config(target_group_size=2))) == 1  # one group, target-sized
+    assert plan_groups(10.0, alone[:1], config()) == []  # min_group_size still holds
+    with_trainer = [*alone, declaration(9, ready_at=10.0)]
+    groups = plan_groups(10.0, with_trainer, config(target_group_size=None))
+    assert [is_viable(d.member for d in g) for g in groups] == [True]  # the trainer's group takes them all
+
+
 # ---------------------------------------------------------------- who counts as looking
 
 
@@ -249,11 +264,14 @@ def test_plan_is_a_valid_partition_and_ignores_input_order(scenario, rnd: random
     placed = [d.member.key for group in groups for d in group]
     assert len(placed) == len(set(placed)), "no peer in two groups"
     assert set(placed) <= {d.member.key for d in looking}
+    due = any(d.ready_at <= now for d in looking)
     for group in groups:
         assert cfg.min_group_size <= len(group) <= (cfg.target_group_size or len(looking))
-        assert is_viable(d.member for d in group)
+        if all_auxiliary(d.member for d in group):  # nothing to average: only when due and nobody else looks
+            assert due and all(d.member.auxiliary for d in looking) and len(groups) == 1
+        else:
+            assert is_viable(d.member for d in group)
         assert [d.member.key for d in group] == sorted(d.member.key for d in group)
-    due = any(d.ready_at <= now for d in looking)
     if not due:
         assert all(len(group) == cfg.target_group_size for group in groups), "only full groups before the timer"
     if due and all(not d.member.client_mode and not d.member.auxiliary for d in looking):

@@ -22,7 +22,10 @@ The grouping rule (:func:`plan_groups`), applied to the peers that are looking f
   not have formed a group by themselves.
 - A group needs a member that accepts connections (not client mode) to own parts of the
   all-reduce, and a member that is not auxiliary to bring tensors; members are swapped between
-  groups to satisfy this where possible, and groups that still cannot run are not formed.
+  groups to satisfy this where possible, and groups that still cannot run are not formed. One
+  exception, as in hivemind: once the scheduled time has come and every looking peer is auxiliary,
+  they form one group with nothing to average, so that their steps finish instead of waiting out
+  their deadline (:func:`all_auxiliary`); a group sealed with a trainer that then left is abandoned.
 """
 
 from __future__ import annotations
@@ -267,6 +270,8 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
         return []
     target = config.target_group_size or count
     if any(declaration.ready_at <= now for declaration in ranked):
+        if count >= config.min_group_size and all_auxiliary(d.member for d in ranked):
+            return [tuple(sorted(ranked[:target], key=_member_order))]  # nothing to average: let them finish
         groups = min(-(-count // target), count // config.min_group_size)
         chosen = ranked[: min(count, groups * target)]
     else:
@@ -285,6 +290,14 @@ def is_viable(members: Iterable[Member]) -> bool:
     """A group can run an all-reduce: someone accepts connections and someone brings tensors."""
     members = list(members)
     return any(not m.client_mode for m in members) and any(not m.auxiliary for m in members)
+
+
+def all_auxiliary(members: Iterable[Member]) -> bool:
+    """Every member is an auxiliary peer: a group with nothing to average. It forms only once its
+    scheduled time has come and nobody else is looking (see :func:`plan_groups`), so that auxiliary
+    peers' steps finish, as in hivemind, instead of waiting out their deadline (or for ever)."""
+    members = list(members)
+    return bool(members) and all(m.auxiliary for m in members)
 
 
 def _split_evenly(ranked: Sequence[Declaration], groups: int) -> list[list[Declaration]]:

@@ -24,6 +24,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     GroupInfo,
     MatchmakingConfig,
     SealedGroup,
+    all_auxiliary,
     group_id_for,
     is_open,
     is_viable,
@@ -136,7 +137,10 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
     if waiting and now < group.commit_by:
         return Step(state, urgent=True)
     members = tuple(m for m in group.members if m.key in confirmed)
-    if len(members) < config.min_group_size or not is_viable(members):
+    # a group sealed with only auxiliary members may commit as such; a mixed group whose contributors
+    # dropped out is abandoned (its auxiliary members look again, for a group that has work)
+    viable = is_viable(members) or all_auxiliary(group.members)
+    if len(members) < config.min_group_size or not viable:
         members = ()
     commit = commit_write(Commit(group.group_id, tuple(m.key for m in members)), _record_expiration(now, config))
     if not members:
