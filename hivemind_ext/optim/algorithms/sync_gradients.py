@@ -204,7 +204,13 @@ class SyncGradientsImpl(AlgorithmImpl):
         if not should_prepare_round(now, eta, self.context.config.matchmaking_time):
             return
         report = self.grad_averager.last_round
-        plan = self.context.rounds.plan(eta=eta, last_group_size=report.group_size if report is not None else None)
+        # expect a group size only once a round had a group (as before the restructure): before it, the
+        # tracker's count can be short (a peer whose progress record has not arrived yet), and peers that
+        # expected that count formed the first round without the late one, which then missed it
+        averaged_before = report is not None and report.group_size >= 2
+        plan = self.context.rounds.plan(
+            eta=eta, last_group_size=report.group_size if report is not None else None, expect_peers=averaged_before
+        )
         logger.log(
             self.context.status_loglevel, f"pre-scheduling the gradient round in {plan.scheduled_time - now:.2f} s"
         )
