@@ -259,6 +259,9 @@ def test_mode_trains_together(dhts, mode):
                 if record.report is not None:
                     assert not record.report.excluded, record.report.excluded
                     assert {len(part) for part in record.report.contributors} == {NUM_PEERS}, record.report
+        # and no round left a peer wanting to download the state (a delayed round once compared its groupmates'
+        # epoch with the epoch the peer had entered meanwhile, and every peer resynced after every round)
+        assert [opt.rounds.resync_pending for opt in run.optimizers] == [False] * NUM_PEERS
     first, last = mean_loss(run, 0), mean_loss(run, target_epoch - 1)
     assert last < 0.7 * first, f"loss {first:.4f} -> {last:.4f}"
     final = [run.final_params(i) for i in range(NUM_PEERS)]

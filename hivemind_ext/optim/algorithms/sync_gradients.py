@@ -204,7 +204,13 @@ class SyncGradientsImpl(AlgorithmImpl):
         if not should_prepare_round(now, eta, self.context.config.matchmaking_time):
             return
         report = self.grad_averager.last_round
-        plan = self.context.rounds.plan(eta=eta, last_group_size=report.group_size if report is not None else None)
+        # expect a group size only once a round had a group (as before the restructure): before it, the
+        # tracker's count can be short (a peer whose progress record has not arrived yet), and peers that
+        # expected that count formed the first round without the late one, which then missed it
+        averaged_before = report is not None and report.group_size >= 2
+        plan = self.context.rounds.plan(
+            eta=eta, last_group_size=report.group_size if report is not None else None, expect_peers=averaged_before
+        )
         logger.log(
             self.context.status_loglevel, f"pre-scheduling the gradient round in {plan.scheduled_time - now:.2f} s"
         )
@@ -250,12 +256,14 @@ class SyncGradientsImpl(AlgorithmImpl):
         if self._alone(control):
             self._step_alone(control, found_inf=found_inf)
             return  # alone: no state round either
+        epoch = self.context.local_epoch  # the round's epoch (a delayed round ends after the peer entered the next)
         if config.delay_grad_averaging:
             control = self._begin_gradient_round(control, zero_weight=found_inf)
-            self.background.submit(_chain(lambda: self._finish_gradient_round(control, apply=not found_inf), then))
+            finish = self._finish_gradient_round
+            self.background.submit(_chain(lambda: finish(control, epoch=epoch, apply=not found_inf), then))
             return
         control = self._begin_gradient_round(control, zero_weight=found_inf)
-        averaged = self._wait_gradient_round(control)
+        averaged = self._wait_gradient_round(control, epoch=epoch)
         if config.delay_optimizer_step:
             self.background.submit(_chain(lambda: self._apply_averaged_gradients(publish=False), then))
             return
@@ -333,7 +341,8 @@ class SyncGradientsImpl(AlgorithmImpl):
         averager.step(control=control, weight=0.0 if zero_weight else float(samples), wait=False)
         return control
 
-    def _wait_gradient_round(self, control: StepControl, *, in_background: bool = False) -> bool:
+    def _wait_gradient_round(self, control: StepControl, *, epoch: int, in_background: bool = False) -> bool:
+        """Waits for the round that this peer began in ``epoch``; whether it averaged."""
         rounds = self.context.rounds
         try:
             gathered = rounds.wait(control, watch_swarm=not in_background)
@@ -351,16 +360,18 @@ class SyncGradientsImpl(AlgorithmImpl):
         self.last_epoch_samples = sum(self.last_round_samples.values())
         logger.log(self.context.status_loglevel, f"averaged gradients with {peers} peers")
         epochs = gathered_epochs(gathered)
-        if epochs - {self.context.local_epoch}:
+        # compared with the round's epoch, never the current one: with delay_grad_averaging this runs in
+        # the background after the peer entered the next epoch, and every round would look like a miss
+        if epochs - {epoch}:
             # groupmates averaged another epoch's gradients (this peer was behind, e.g. right after a
             # download that raced their step): the update still helps, but download the state next
             logger.info(f"groupmates were at epochs {sorted(epochs)}: resynchronizing")
             rounds.request_resync(missed=True)  # the swarm is at another epoch: this peer missed its round
         return True
 
-    def _finish_gradient_round(self, control: StepControl, *, apply: bool) -> None:
-        """Background job (delay_grad_averaging): wait for the round, then step on its result."""
-        self._wait_gradient_round(control, in_background=True)
+    def _finish_gradient_round(self, control: StepControl, *, epoch: int, apply: bool) -> None:
+        """Background job (delay_grad_averaging): wait for the round of ``epoch``, then step on its result."""
+        self._wait_gradient_round(control, epoch=epoch, in_background=True)
         if apply:
             self._apply_averaged_gradients(publish=False)
 
