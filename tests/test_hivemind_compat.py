@@ -527,6 +527,11 @@ def test_state_download_from_a_subclass_with_live_tensors(lib: Library, swarm: l
         for attempt in range(3):
             calls = donor_class.calls
             loaded = joiner.load_state_from_peers(timeout=30)
+            if loaded is None and lib.name == "hivemind":
+                # hivemind's own download of changing tensors failed here once in a CI run (it returned
+                # None): hivemind gets one more try, so that its flake does not fail our suite; ours gets none
+                calls = donor_class.calls
+                loaded = joiner.load_state_from_peers(timeout=30)
             assert loaded is not None, f"download {attempt} of changing live tensors failed"
             assert donor_class.calls == calls + 1
             big = loaded[1][0]
