@@ -58,9 +58,21 @@ class TrainingStateAverager(DecentralizedAverager):
         return self._round is not None and not self._round.done()
 
     def begin_round(
-        self, *, timeout: float, scheduled_time: float | None = None, control: StepControl | None = None
+        self,
+        *,
+        timeout: float,
+        scheduled_time: float | None = None,
+        control: StepControl | None = None,
+        epoch: int | None = None,
     ) -> StepControl:
-        """Snapshots the live tensors into the buffers and starts a round in the background."""
+        """Snapshots the live tensors into the buffers and starts a round in the background.
+
+        :param epoch: the epoch whose end this round averages. Peers' rounds begun at different epochs
+          can meet in one group (a peer whose previous round is still pending skips an epoch's round);
+          their average would mix parameters from before and after a step and pull the peers apart.
+          With ``epoch`` given, every member tells its epoch, and a round whose members disagree is
+          discarded by every member alike (see :meth:`apply_round`).
+        """
         if self.round_in_progress:
             raise HivemindExtError("a state averaging round is already running")
         with self.state_lock, self.get_tensors() as buffers:
@@ -71,6 +83,8 @@ class TrainingStateAverager(DecentralizedAverager):
         if control is None:
             control = self.step(wait=False, timeout=timeout, scheduled_time=scheduled_time, require_trigger=True)
             assert isinstance(control, StepControl)
+        if epoch is not None:
+            control.gather = {"epoch": int(epoch)}
         control.allow_allreduce()
         self._round = control
         return control
@@ -82,7 +96,7 @@ class TrainingStateAverager(DecentralizedAverager):
         if control is None:
             return None
         try:
-            control.result(wait)
+            gathered = control.result(wait)
         except (TimeoutError, concurrent.futures.TimeoutError):
             return None
         except concurrent.futures.CancelledError:
@@ -93,6 +107,11 @@ class TrainingStateAverager(DecentralizedAverager):
             self._round, self._snapshot = None, None
             return False
         self._round = None
+        epochs = round_epochs(gathered)
+        if len(epochs) > 1:
+            logger.info(f"a state averaging round mixed epochs {sorted(epochs)}: discarded, keeping the local state")
+            self._snapshot = None
+            return False
         with self.state_lock, self.get_tensors() as buffers:
             live = self.training_state.averaged_tensors()
             assert self._snapshot is not None
@@ -105,3 +124,14 @@ class TrainingStateAverager(DecentralizedAverager):
         if self._round is not None and not self._round.done():
             self._round.cancel()
         self._round, self._snapshot = None, None
+
+
+def round_epochs(gathered: Any) -> set[int]:
+    """The epochs a state round's members reported (untrusted wire data: only plain ints count; auxiliary
+    members and peers that sent no epoch are left out)."""
+    epochs = set()
+    for data in (gathered or {}).values() if isinstance(gathered, dict) else ():
+        epoch = data.get("epoch") if isinstance(data, dict) else None
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**62:
+            epochs.add(epoch)
+    return epochs

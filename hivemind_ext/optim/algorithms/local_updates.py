@@ -48,9 +48,10 @@ class LocalUpdatesImpl(AlgorithmImpl):
 
     def _end_epoch(self) -> None:
         started = time.perf_counter()
-        average_state = self.state_rounds.due(self.state_rounds.next_epoch())
+        entering = self.state_rounds.next_epoch()
+        average_state = self.state_rounds.due(entering)
         if average_state:
-            self.state_rounds.begin()
+            self.state_rounds.begin(entering)
         apply_now = average_state and not self.context.config.delay_state_averaging
         self.context.advance_epoch(before_announcing=self.state_rounds.apply_now if apply_now else None)
         self.blocked_seconds += time.perf_counter() - started

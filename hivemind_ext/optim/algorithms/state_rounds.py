@@ -34,14 +34,17 @@ class StateRounds:
             return False
         return not self.averager.has_round
 
-    def begin(self) -> None:
-        """Starts a round (its result is applied by the training thread, in ``step()``)."""
+    def begin(self, epoch: int | None = None) -> None:
+        """Starts the round of ``epoch`` (the one the peer enters; rounds of peers that disagree on it
+        are discarded, see :meth:`TrainingStateAverager.begin_round`); its result is applied by the
+        training thread, in ``step()``."""
         config = self.context.config
         if self.averager.has_round:
             return  # one still runs, or it finished and step() has not applied it yet (starting would lose it)
         self.averager.begin_round(
             timeout=config.averaging_timeout + config.matchmaking_time,
             scheduled_time=get_dht_time() + config.matchmaking_time,
+            epoch=epoch,
         )
 
     def apply_now(self) -> None:

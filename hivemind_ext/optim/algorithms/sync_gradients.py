@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -226,11 +227,12 @@ class SyncGradientsImpl(AlgorithmImpl):
         started = time.perf_counter()
         config = self.context.config
         # no pause_updates() here: the tracker keeps publishing, so peers see this epoch's final count
-        average_state = self.state_rounds.due(self.state_rounds.next_epoch())
+        entering = self.state_rounds.next_epoch()
+        average_state = self.state_rounds.due(entering)
         # the state round snapshots the parameters after this epoch's optimizer step on every peer (a
         # delayed step runs it in the background job, right after the step), or peers would average
         # parameters taken before the step on some and after it on others, and drift apart
-        begin_state_round = self.state_rounds.begin if average_state else None
+        begin_state_round = functools.partial(self.state_rounds.begin, entering) if average_state else None
         self._wait_background()  # the buffers and the optimizer must be free
         control, self.scheduled_round = self.scheduled_round, None
         if control is not None and control.done() and not control.triggered:
