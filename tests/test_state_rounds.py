@@ -13,7 +13,8 @@ import pytest
 import torch
 from swarm import local_swarm
 
-from hivemind_ext.optim.state_averager import TrainingStateAverager, round_epochs
+from hivemind_ext.optim.rounds import gathered_epochs
+from hivemind_ext.optim.state_averager import TrainingStateAverager
 from hivemind_ext.optim.training_state import TrainingState
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -22,9 +23,9 @@ _prefixes = itertools.count()
 
 def test_round_epochs_reads_only_plain_int_epochs() -> None:
     gathered = {"a": {"epoch": 3}, "b": None, "c": {"epoch": True}, "d": "x", "e": {"epoch": -1}, "f": {"epoch": 3}}
-    assert round_epochs(gathered) == {3}
-    assert round_epochs({"a": {"epoch": 3}, "b": {"epoch": 4}}) == {3, 4}
-    assert round_epochs(None) == set() and round_epochs(["not", "a", "dict"]) == set()
+    assert gathered_epochs(gathered) == {3}
+    assert gathered_epochs({"a": {"epoch": 3}, "b": {"epoch": 4}}) == {3, 4}
+    assert gathered_epochs(None) == set() and gathered_epochs(["not", "a", "dict"]) == set()
 
 
 @pytest.fixture(scope="module")

@@ -272,3 +272,14 @@ def wait_on_round(
         if abandon is not None and abandon():
             control.cancel()
             raise MatchmakingError("the swarm finished this epoch's round without this peer")
+
+
+def gathered_epochs(gathered: Any) -> set[int]:
+    """The epochs that a round's members reported in their gather data (``{"epoch": e}``). Untrusted wire
+    data: only plain ints in range count; auxiliary members and members that sent no epoch are left out."""
+    epochs = set()
+    for data in gathered.values() if isinstance(gathered, dict) else ():
+        epoch = data.get("epoch") if isinstance(data, dict) else None
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**62:
+            epochs.add(epoch)
+    return epochs

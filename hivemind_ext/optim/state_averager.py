@@ -23,6 +23,7 @@ from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.averaging.delta import apply_average, take_snapshot
 from hivemind_ext.errors import HivemindExtError
+from hivemind_ext.optim.rounds import gathered_epochs
 from hivemind_ext.optim.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class TrainingStateAverager(DecentralizedAverager):
             self._round, self._snapshot = None, None
             return False
         self._round = None
-        epochs = round_epochs(gathered)
+        epochs = gathered_epochs(gathered)
         if len(epochs) > 1:
             logger.info(f"a state averaging round mixed epochs {sorted(epochs)}: discarded, keeping the local state")
             self._snapshot = None
@@ -124,14 +125,3 @@ class TrainingStateAverager(DecentralizedAverager):
         if self._round is not None and not self._round.done():
             self._round.cancel()
         self._round, self._snapshot = None, None
-
-
-def round_epochs(gathered: Any) -> set[int]:
-    """The epochs a state round's members reported (untrusted wire data: only plain ints count; auxiliary
-    members and peers that sent no epoch are left out)."""
-    epochs = set()
-    for data in (gathered or {}).values() if isinstance(gathered, dict) else ():
-        epoch = data.get("epoch") if isinstance(data, dict) else None
-        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**62:
-            epochs.add(epoch)
-    return epochs

@@ -43,7 +43,7 @@ from hivemind_ext.optim.algorithms.state_rounds import StateRounds
 from hivemind_ext.optim.background import BackgroundWorker
 from hivemind_ext.optim.grad_averager import GradientAverager
 from hivemind_ext.optim.keys import grad_prefix
-from hivemind_ext.optim.rounds import missed_round, should_prepare_round
+from hivemind_ext.optim.rounds import gathered_epochs, missed_round, should_prepare_round
 
 if TYPE_CHECKING:
     from hivemind_ext.optim.grad_scaler import BoundGradScaler
@@ -72,16 +72,6 @@ def _chain(first: Callable[[], None], then: Callable[[], None] | None) -> Callab
             then()
 
     return job
-
-
-def gathered_epochs(gathered: Any) -> set[int]:
-    """The epochs that a gradient round's members reported (untrusted: only plain ints count)."""
-    epochs = set()
-    for data in (gathered or {}).values():
-        epoch = data.get("epoch") if isinstance(data, dict) else None
-        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**62:
-            epochs.add(epoch)
-    return epochs
 
 
 def gathered_samples(gathered: Any) -> dict[str, int]:
