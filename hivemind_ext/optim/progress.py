@@ -108,7 +108,7 @@ class ProgressTrackerConfig:
             raise ConfigurationError("prefix must be a non-empty string")
         if type(self.target_batch_size) is not int or not 0 < self.target_batch_size <= MAX_COUNT:
             raise ConfigurationError(f"target_batch_size must be a positive integer, got {self.target_batch_size!r}")
-        for name in ("min_refresh_period", "max_refresh_period", "default_refresh_period", "metadata_expiration"):
+        for name in _PERIODS:
             value = getattr(self, name)
             if not _is_real(value) or not 0 < value < math.inf:
                 raise ConfigurationError(f"{name} must be a positive finite number, got {value!r}")
