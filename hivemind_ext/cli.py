@@ -174,6 +174,7 @@ def run_aux(args: argparse.Namespace) -> int:
             stop=stop,
             status_interval=args.status_interval,
             on_status=_print,
+            alone_hint="check --run-id and --initial-peers",
         )
         _print(f"helped with {rounds} averaging rounds; exiting")
         return EXIT_OK

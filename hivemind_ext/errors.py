@@ -24,6 +24,12 @@ class ConfigurationError(HivemindExtError, ValueError):
     """An argument or a combination of arguments is invalid; raised at construction time."""
 
 
+class RunMismatchError(ConfigurationError):
+    """This peer's model or settings differ from those of the run it joined (its tensors' shapes,
+    ``target_batch_size``, codecs, algorithm): it cannot average with the swarm. The message names
+    the first difference; the peer leaves the swarm."""
+
+
 class CompressionError(HivemindExtError, ValueError):
     """A tensor cannot be compressed, or a compressed message is malformed and cannot be decoded."""
 
@@ -94,5 +100,6 @@ __all__ = [
     "PeerUnreachableError",
     "ProtocolError",
     "RemoteError",
+    "RunMismatchError",
     "StateLoadError",
 ]

@@ -41,6 +41,7 @@ from hivemind_ext.averaging.matchmaking.group_key import check_group_bits, next_
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
 from hivemind_ext.averaging.scratch import RoundBuffers, ScratchBuffers
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
+from hivemind_ext.averaging.tensor_layout import TensorSpec
 from hivemind_ext.compression import Codec, CompressionInfo, NoCompression
 from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import (
@@ -108,6 +109,8 @@ class DecentralizedAverager:
       TCP path is authenticated through the libp2p identities (one-time tokens handed out over
       libp2p) but NOT encrypted: use it only on loopback or a trusted network. It saves the
       daemons' encryption and copies, which dominate the CPU cost of large rounds on fast links.
+    :param fingerprint: the run's fingerprint digest: matchmaking groups this peer only with peers
+      that declare the same one (or none); see ``MatchmakingConfig.fingerprint``
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class DecentralizedAverager:
         daemon: bool = True,
         shutdown_timeout: float = 5,
         direct_data_path: str | None = None,
+        fingerprint: str = "",
     ):
         del min_vector_size, daemon  # hivemind internals with no meaning here
         self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
@@ -178,6 +182,7 @@ class DecentralizedAverager:
             client_mode=client_mode,
             auxiliary=auxiliary,
             bandwidth=bandwidth,
+            fingerprint=fingerprint,
         )
         self.allreduce_config = AllreduceConfig(
             compression=self.compression,
@@ -403,6 +408,11 @@ class DecentralizedAverager:
         with self.get_tensors() as tensors:
             return {"prefix": self.prefix}, list(tensors), self.tensor_infos
 
+    def expected_state_tensors(self) -> Sequence[TensorSpec] | None:
+        """The shapes that a downloaded state's first tensors must have, checked against a donor's
+        manifest before anything is pulled (None: no check). Subclasses that know their state override it."""
+        return None
+
     def load_state_from_peers(
         self, wait: bool = True, timeout: float | None = None
     ) -> tuple[Any, list[torch.Tensor]] | None:
@@ -436,7 +446,9 @@ class DecentralizedAverager:
     async def _load_state(self, timeout: float | None) -> tuple[Any, list[torch.Tensor]] | None:
         assert self._loader is not None
         try:
-            return await self._loader.load_state_from_peers(timeout=timeout)
+            return await self._loader.load_state_from_peers(
+                timeout=timeout, expected_tensors=self.expected_state_tensors()
+            )
         except StateLoadError as e:
             logger.warning(f"could not download the state from peers: {e}")
             return None

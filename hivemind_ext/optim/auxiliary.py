@@ -28,9 +28,11 @@ from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.errors import HivemindExtError
 from hivemind_ext.optim.config import averager_options
+from hivemind_ext.optim.fingerprint import auxiliary_fingerprint
 from hivemind_ext.optim.keys import grad_prefix, progress_prefix
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.optim.rounds import next_epoch, plan_round, should_prepare_round
+from hivemind_ext.optim.run_guard import RunGuard
 
 logger = logging.getLogger(__name__)
 
@@ -126,18 +128,26 @@ def run_auxiliary_peer(
     stop: threading.Event | None = None,
     status_interval: float = 60.0,
     on_status: Callable[[str], None] | None = None,
+    alone_hint: str = "check the run_id and the DHT's initial_peers",
 ) -> int:
     """Runs an auxiliary peer until ``stop`` is set (or ``max_rounds`` rounds joined); returns the rounds joined.
 
     A status line (epoch, samples toward the target, peers, rounds helped) goes to ``on_status`` (default:
     this module's logger at INFO) when the swarm's epoch changes, and at least every ``status_interval`` s.
+
+    :raises RunMismatchError: the trainers' run has another ``target_batch_size`` (checked on join and
+      before each round; the peer leaves the swarm first). ``alone_hint`` is logged once if no other
+      peer shows up for a while.
     """
     stop = stop if stop is not None else threading.Event()
     report = on_status if on_status is not None else logger.info
-    tracker = ProgressTracker(dht, progress_prefix(run_id), target_batch_size, start=True, **(tracker_opts or {}))
+    tracker_opts = {"fingerprint": auxiliary_fingerprint(target_batch_size), **(tracker_opts or {})}
+    tracker = ProgressTracker(dht, progress_prefix(run_id), target_batch_size, start=True, **tracker_opts)
     averager: DecentralizedAverager | None = None
     peer: AuxiliaryPeer | None = None
     try:
+        guard = RunGuard(tracker, run_id, alone_hint=alone_hint)
+        guard.check()
         averager = DecentralizedAverager(
             [],
             dht,
@@ -154,6 +164,7 @@ def run_auxiliary_peer(
         reported: tuple[int, int] | None = None  # (epoch, rounds helped) of the last status line
         last_report = -math.inf
         while not stop.is_set() and (max_rounds is None or peer.rounds_joined < max_rounds):
+            guard.check()
             peer.step()
             progress = tracker.global_progress
             now = time.monotonic()

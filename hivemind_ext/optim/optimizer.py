@@ -35,18 +35,20 @@ import torch
 from hivemind import DHT
 
 from hivemind_ext.averaging.control import StepControl
-from hivemind_ext.errors import ConfigurationError, HivemindExtError, StateLoadError
+from hivemind_ext.errors import ConfigurationError, HivemindExtError, RunMismatchError, StateLoadError
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, StepEngine, next_model_key
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
 from hivemind_ext.optim.algorithms.sync_gradients import GradientAllReduce, SyncGradientsImpl
 from hivemind_ext.optim.auxiliary import AuxiliaryPeer
 from hivemind_ext.optim.config import OptimizerConfig
+from hivemind_ext.optim.fingerprint import auxiliary_fingerprint, trainer_fingerprint
 from hivemind_ext.optim.grad_averager import GradientAverager
 from hivemind_ext.optim.grad_scaler import BoundGradScaler, GradScaler
 from hivemind_ext.optim.keys import grad_prefix, progress_prefix, state_prefix
 from hivemind_ext.optim.param_groups import group_views
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.optim.rounds import RoundDriver, RoundHooks, next_epoch
+from hivemind_ext.optim.run_guard import RunGuard
 from hivemind_ext.optim.state_averager import TrainingStateAverager
 from hivemind_ext.optim.training_state import TrainingState
 
@@ -159,6 +161,21 @@ class Optimizer(torch.optim.Optimizer):
             extra_tensors=extra_tensors,
             average_opt_statistics=average_opt_statistics,
         )
+        #: what must match on every peer of the run (see hivemind_ext.optim.fingerprint)
+        self.fingerprint = (
+            auxiliary_fingerprint(target_batch_size)
+            if auxiliary
+            else trainer_fingerprint(
+                self.state_manager,
+                target_batch_size=target_batch_size,
+                grad_compression=grad_compression,
+                state_averaging_compression=state_averaging_compression,
+                algorithm=algorithm or GradientAllReduce(),
+                use_local_updates=use_local_updates,
+                average_state_every=average_state_every,
+            )
+        )
+        self.averager_opts.setdefault("fingerprint", "" if auxiliary else self.fingerprint.digest)
         self._param_groups: list = []
         self._param_group_ids: list[int] = []
         # what torch.optim.Optimizer's own methods and hooks expect to find
@@ -171,7 +188,10 @@ class Optimizer(torch.optim.Optimizer):
         self._started: list[Any] = []  # what shutdown() must stop, in start order
         try:
             self._start_components(
-                state_averaging_compression, load_state_compression, dict(averager_opts or {}), dict(tracker_opts or {})
+                state_averaging_compression,
+                load_state_compression,
+                dict(self.averager_opts),
+                {"fingerprint": self.fingerprint, **(tracker_opts or {})},
             )
             #: plans this peer's rounds and waits on them (its algorithm's rounds)
             self.rounds = RoundDriver(
@@ -211,6 +231,8 @@ class Optimizer(torch.optim.Optimizer):
         except TypeError as e:
             raise ConfigurationError(f"tracker_opts: {e}") from e
         self._started.append(self.tracker)
+        self.run_guard = RunGuard(self.tracker, config.run_id)
+        self.run_guard.check()  # a peer of another model or other settings stops here, before it averages
         common = dict(start=True, **config.averager_options(averager_opts))
         try:
             self.state_averager = TrainingStateAverager(
@@ -372,6 +394,7 @@ class Optimizer(torch.optim.Optimizer):
         the module docstring). Returns the closure's loss, if a closure was given."""
         if self._closed:
             raise HivemindExtError("the optimizer is shut down")
+        self._check_run()
         if self._aux is not None:
             if closure is not None or batch_size is not None or grad_scaler is not None:
                 raise ConfigurationError("auxiliary peers do not train: call step() without arguments")
@@ -398,6 +421,14 @@ class Optimizer(torch.optim.Optimizer):
             return loss
         engine.train_step(batch_size, BoundGradScaler(grad_scaler, self) if grad_scaler is not None else None)
         return loss
+
+    def _check_run(self) -> None:
+        """Leaves the swarm with one RunMismatchError if this peer does not match the run (see RunGuard)."""
+        try:
+            self.run_guard.check()
+        except RunMismatchError:
+            self.shutdown()
+            raise
 
     def _training_engine(self) -> StepEngine:
         if self._engine is None:
@@ -535,6 +566,9 @@ class Optimizer(torch.optim.Optimizer):
         except StateLoadError as e:
             logger.warning(f"could not load the state from peers: {e}; keeping the local state")
             return
+        except RunMismatchError:  # the donors' state has another layout: retrying cannot help
+            self.shutdown()
+            raise
         finally:
             self._blocked_seconds += time.perf_counter() - started
         logger.log(self.status_loglevel, f"loaded the state of epoch {self.local_epoch} from peers")

@@ -9,7 +9,11 @@ accept only owner subkeys; and :class:`ProgressRecordValidator` makes the nodes 
 refuse such unprotected or malformed entries at store time too.
 
 A record's value is the list ``[peer_id, epoch, samples_accumulated, samples_per_second, time,
-client_mode]``, or ``None`` once its owner has left. The DHT is open to anyone: every record is
+client_mode]``, with the peer's run fingerprint (:mod:`.fingerprint`) as a seventh item if it has
+one, or ``None`` once its owner has left. The tracker counts only the peers whose fingerprint is
+compatible with the swarm's (:func:`~.fingerprint.swarm_fingerprint`): a peer of another model or
+other settings under the same run_id neither adds to the swarm's progress nor to the group size
+that peers expect (:attr:`ProgressTracker.foreign_peers` lists it). The DHT is open to anyone: every record is
 parsed strictly and a malformed one is skipped, never trusted.
 
 :func:`aggregate_progress` turns the records into a :class:`GlobalTrainingProgress`; it is a pure
@@ -51,6 +55,7 @@ from hivemind_ext.errors import (
     PeerUnreachableError,
     ProtocolError,
 )
+from hivemind_ext.optim.fingerprint import RunFingerprint, swarm_fingerprint
 from hivemind_ext.p2p.runtime import PeerRuntime
 
 logger = logging.getLogger(__name__)
@@ -73,6 +78,7 @@ class LocalTrainingProgress:
     samples_per_second: float
     time: float  # DHT time of the report
     client_mode: bool
+    fingerprint: RunFingerprint | None = None  # the peer's run settings (None: an older peer, unchecked)
 
 
 @dataclass(frozen=True)
@@ -192,14 +198,15 @@ def progress_value(progress: LocalTrainingProgress) -> list[Any]:
         float(progress.samples_per_second),
         float(progress.time),
         progress.client_mode,
+        *([progress.fingerprint.to_wire()] if progress.fingerprint is not None else []),
     ]
 
 
 def parse_progress_value(value: Any) -> LocalTrainingProgress:
     """One record's value; raises :class:`ProtocolError` if anything in it is malformed."""
-    if not isinstance(value, list | tuple) or len(value) != RECORD_FIELDS:
-        raise ProtocolError(f"a progress record must be a list of {RECORD_FIELDS} fields")
-    peer_id, epoch, samples, speed, report_time, client_mode = value
+    if not isinstance(value, list | tuple) or len(value) not in (RECORD_FIELDS, RECORD_FIELDS + 1):
+        raise ProtocolError(f"a progress record must be a list of {RECORD_FIELDS} or {RECORD_FIELDS + 1} fields")
+    peer_id, epoch, samples, speed, report_time, client_mode = value[:RECORD_FIELDS]
     if not isinstance(peer_id, str) or not _PEER_ID.fullmatch(peer_id):
         raise ProtocolError("peer_id must be a base58 string")
     if type(epoch) is not int or not 0 <= epoch <= MAX_COUNT:
@@ -212,7 +219,23 @@ def parse_progress_value(value: Any) -> LocalTrainingProgress:
         raise ProtocolError("time must be a finite number")
     if not isinstance(client_mode, bool):
         raise ProtocolError("client_mode must be a bool")
-    return LocalTrainingProgress(peer_id, epoch, samples, float(speed), float(report_time), client_mode)
+    fingerprint = RunFingerprint.from_wire(value[RECORD_FIELDS]) if len(value) > RECORD_FIELDS else None
+    return LocalTrainingProgress(peer_id, epoch, samples, float(speed), float(report_time), client_mode, fingerprint)
+
+
+def split_by_fingerprint(
+    records: Sequence[LocalTrainingProgress], local: LocalTrainingProgress
+) -> tuple[RunFingerprint | None, list[LocalTrainingProgress], list[LocalTrainingProgress]]:
+    """The swarm's fingerprint among ``records`` and this peer's ``local`` progress, the records
+    compatible with it (or with no fingerprint: unchecked), and the others (foreign peers)."""
+    swarm = swarm_fingerprint([(r.fingerprint, r.epoch) for r in (*records, local)])
+    if swarm is None:
+        return None, list(records), []
+    kept, foreign = [], []
+    for record in records:
+        ok = record.fingerprint is None or record.fingerprint.compatible(swarm)
+        (kept if ok else foreign).append(record)
+    return swarm, kept, foreign
 
 
 def is_owner_subkey(subkey: Any) -> bool:
@@ -482,6 +505,7 @@ class ProgressTracker:
         status_loglevel: int = logging.DEBUG,
         private_key: RSAPrivateKey | None = None,
         daemon: bool = True,
+        fingerprint: RunFingerprint | None = None,
         start: bool,
     ):
         self.config = ProgressTrackerConfig.resolve(
@@ -499,6 +523,7 @@ class ProgressTracker:
         self.dht, self.prefix, self.target_batch_size = dht, prefix, target_batch_size
         self.client_mode = dht.client_mode if client_mode is None else client_mode
         self.training_progress_key = self.config.training_progress_key
+        self.fingerprint = fingerprint  # this peer's run settings, published with its record
         self._runtime = PeerRuntime.acquire(dht)  # released by shutdown(), or below if construction fails
         try:
             self._setup(private_key, performance_ema_alpha, daemon, start)
@@ -520,8 +545,12 @@ class ProgressTracker:
 
         self._lock = threading.Lock()  # guards every field below that the thread and the callers share
         self._speed = SpeedEstimate(performance_ema_alpha)
-        self._local = LocalTrainingProgress(dht.peer_id.to_base58(), 0, 0, 0.0, get_dht_time(), self.client_mode)
-        self._records: list[LocalTrainingProgress] = []  # the other peers' records, as last fetched
+        self._local = LocalTrainingProgress(
+            dht.peer_id.to_base58(), 0, 0, 0.0, get_dht_time(), self.client_mode, self.fingerprint
+        )
+        self._records: list[LocalTrainingProgress] = []  # the other peers' records of this run, as last fetched
+        self._foreign: list[LocalTrainingProgress] = []  # those whose fingerprint differs from the swarm's
+        self._swarm_fingerprint = swarm_fingerprint([(self.fingerprint, 0)])
         now = get_dht_time()
         self._global = dataclasses.replace(self._aggregate(now), next_fetch_time=now)
         self._publish_pending = self._fetch_pending = True
@@ -559,6 +588,17 @@ class ProgressTracker:
     @property
     def global_progress(self) -> GlobalTrainingProgress:
         return self._global
+
+    @property
+    def swarm_fingerprint(self) -> RunFingerprint | None:
+        """The run's fingerprint as of the last fetch (see :func:`~.fingerprint.swarm_fingerprint`)."""
+        return self._swarm_fingerprint
+
+    @property
+    def foreign_peers(self) -> list[LocalTrainingProgress]:
+        """The records, as of the last fetch, of peers whose fingerprint differs from the swarm's;
+        they count nowhere in :attr:`global_progress`."""
+        return list(self._foreign)
 
     @property
     def global_epoch(self) -> int:
@@ -761,7 +801,7 @@ class ProgressTracker:
             if background and self._paused:
                 self._fetch_pending = True
                 return
-            self._records = records
+            self._swarm_fingerprint, self._records, self._foreign = split_by_fingerprint(records, self._local)
             self._global = self._aggregate(now)
             progress = self._global
         logger.log(
@@ -814,7 +854,7 @@ class ProgressTracker:
     def _set_local(self, epoch: int, samples: int, update_global_samples: bool) -> None:
         now = get_dht_time()
         self._local = LocalTrainingProgress(
-            self._local.peer_id, epoch, samples, self._speed.samples_per_second, now, self.client_mode
+            self._local.peer_id, epoch, samples, self._speed.samples_per_second, now, self.client_mode, self.fingerprint
         )
         if update_global_samples:
             fresh = self._aggregate(now)
@@ -905,4 +945,5 @@ __all__ = [
     "is_ready_to_update_epoch",
     "parse_progress_records",
     "parse_progress_value",
+    "split_by_fingerprint",
 ]

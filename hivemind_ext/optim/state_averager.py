@@ -22,6 +22,7 @@ from hivemind import DHT
 from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.averaging.delta import apply_average, take_snapshot
+from hivemind_ext.averaging.tensor_layout import TensorSpec
 from hivemind_ext.errors import HivemindExtError
 from hivemind_ext.optim.rounds import gathered_epochs
 from hivemind_ext.optim.training_state import TrainingState
@@ -43,6 +44,12 @@ class TrainingStateAverager(DecentralizedAverager):
         buffers = [] if kwargs.get("auxiliary") else [t.detach().float().clone() for t in live]
         super().__init__(buffers, dht, **kwargs, prefix=prefix)
         self.keep_concurrent_updates = False  # the buffers are only written between rounds
+
+    def expected_state_tensors(self) -> list[TensorSpec]:
+        """A training state begins with the optimizer's parameters and the extra tensors (see
+        TrainingState.snapshot): a donor whose state has other shapes trains another model."""
+        state = self.training_state
+        return [TensorSpec.of(t) for t in (*state.opt_params, *state.extra_tensors)]
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
         """What newcomers download: the whole training state (see TrainingState.snapshot)."""

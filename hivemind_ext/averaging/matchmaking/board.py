@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hivemind_ext.averaging.matchmaking.group import (
+    MAX_FINGERPRINT_CHARS,
     Board,
     Commit,
     Declaration,
@@ -78,6 +79,8 @@ def declaration_write(declaration: Declaration) -> Write:
         "client_mode": member.client_mode,
         "auxiliary": member.auxiliary,
     }
+    if declaration.fingerprint:
+        value["fingerprint"] = declaration.fingerprint
     return Write(_attempt_subkey(member.key), value, declaration.expiration)
 
 
@@ -98,9 +101,10 @@ def commit_write(commit: Commit, expiration_time: float) -> Write:
     return Write(f"c/{commit.group_id}", {"members": [list(key) for key in commit.members]}, expiration_time)
 
 
-def parse_board(prefix: str, entries: Iterable[tuple[Any, Any, Any]], now: float) -> Board:
+def parse_board(prefix: str, entries: Iterable[tuple[Any, Any, Any]], now: float, fingerprint: str = "") -> Board:
     """Build a :class:`Board` from ``(subkey, value, expiration)`` triples, skipping expired,
-    malformed and other-prefix records."""
+    malformed and other-prefix records, and declarations of another run ``fingerprint`` (see
+    :func:`same_run`)."""
     declarations: dict[PeerKey, Declaration] = {}
     markers: dict[PeerKey, str | None] = {}
     sealed: dict[str, SealedGroup] = {}
@@ -114,7 +118,7 @@ def parse_board(prefix: str, entries: Iterable[tuple[Any, Any, Any]], now: float
             logger.debug("skipping a malformed matchmaking record %.80r: %s", subkey, e)
             continue
         if isinstance(record, Declaration):
-            if record.prefix == prefix:
+            if record.prefix == prefix and same_run(record.fingerprint, fingerprint):
                 declarations[record.member.key] = record
         elif isinstance(record, Marker):
             markers[record.key] = record.group_id
@@ -123,6 +127,12 @@ def parse_board(prefix: str, entries: Iterable[tuple[Any, Any, Any]], now: float
         else:
             commits[record.group_id] = record
     return Board(declarations, markers, sealed, commits)
+
+
+def same_run(theirs: str, mine: str) -> bool:
+    """Whether a declaration with fingerprint ``theirs`` may be grouped with this peer's ``mine``: equal,
+    or either is empty (a peer that does not check, such as an auxiliary peer, which has no model)."""
+    return theirs == mine or not theirs or not mine
 
 
 def parse_record(subkey: Any, value: Any, expiration: float) -> Declaration | Marker | SealedGroup | Commit:
@@ -154,7 +164,10 @@ def _parse_attempt_record(rest: str, value: dict, expiration: float) -> Declarat
         raise ProtocolError("a declaration needs a string prefix")
     member = _member(peer_id, attempt, value.get("bandwidth"), value.get("client_mode"), value.get("auxiliary"))
     times = [_finite(value.get(name), name) for name in ("declared_at", "ready_at", "deadline")]
-    return Declaration(member, prefix, *times, expiration=expiration)
+    fingerprint = value.get("fingerprint", "")
+    if not isinstance(fingerprint, str) or len(fingerprint) > MAX_FINGERPRINT_CHARS:
+        raise ProtocolError(f"a declaration's fingerprint must be a string of at most {MAX_FINGERPRINT_CHARS} chars")
+    return Declaration(member, prefix, *times, expiration=expiration, fingerprint=fingerprint)
 
 
 def _parse_sealed(group_id: str, value: dict) -> SealedGroup:

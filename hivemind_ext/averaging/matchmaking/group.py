@@ -45,6 +45,7 @@ PeerKey = tuple[str, str]
 """(peer id in base58, attempt token): one peer's one try at finding a group in one round."""
 
 POLLS_BEFORE_DEADLINE = 5
+MAX_FINGERPRINT_CHARS = 128  # a digest; bounds what a declaration may carry
 """A peer is not put into a new group when its deadline is fewer than this many polls away: the
 group would have to commit in less time than the confirmation round trip takes."""
 
@@ -72,6 +73,9 @@ class MatchmakingConfig:
         (e.g. the live peers of a training run): as soon as that many are looking, they form one
         group at once instead of waiting for the scheduled time. A hint: a wrong value only delays
         or hastens the group, the leader's seal keeps members consistent.
+    :param fingerprint: the run's fingerprint digest (see ``hivemind_ext.optim.fingerprint``): this
+        peer only groups with peers that declare the same one (or none, as auxiliary peers do), so a
+        peer of another model or other settings never joins, nor delays, a group. Empty: no check.
     """
 
     prefix: str
@@ -85,10 +89,13 @@ class MatchmakingConfig:
     bandwidth: float | None = None
     expected_group_size: int | None = None
     group_bits: str = ""
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
             raise ConfigurationError(f"prefix must be a non-empty string, got {self.prefix!r}")
+        if not isinstance(self.fingerprint, str) or len(self.fingerprint) > MAX_FINGERPRINT_CHARS:
+            raise ConfigurationError(f"fingerprint must be a string of at most {MAX_FINGERPRINT_CHARS} characters")
         check_group_bits(self.group_bits)
         self._check_group_sizes()
         self._check_times()
@@ -162,6 +169,7 @@ class Declaration:
     ready_at: float  # its scheduled time: from then on, a group smaller than the target is acceptable
     deadline: float  # it gives up at this time
     expiration: float = -math.inf  # when the DHT forgets the record under this attempt (latest stored)
+    fingerprint: str = ""  # the run fingerprint it declared (empty: none, e.g. an auxiliary peer)
 
 
 @dataclass(frozen=True)

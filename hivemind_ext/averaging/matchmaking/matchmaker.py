@@ -210,7 +210,14 @@ class Matchmaker:
             auxiliary=self.config.auxiliary,
         )
         ready_at = min(ready_at, deadline)
-        return Declaration(member, self.config.group_key, declared_at=now, ready_at=ready_at, deadline=deadline)
+        return Declaration(
+            member,
+            self.config.group_key,
+            declared_at=now,
+            ready_at=ready_at,
+            deadline=deadline,
+            fingerprint=self.config.fingerprint,
+        )
 
     async def _look(self, declaration: Declaration) -> GroupInfo:
         state: State = Looking(declaration)
@@ -292,7 +299,11 @@ class Matchmaker:
             return not writes, None
         if not stored:
             logger.debug("some of the matchmaking records %s were not stored", [w.subkey for w in writes])
-        board = None if entries is None else parse_board(self.config.group_key, entries, get_dht_time())
+        board = (
+            None
+            if entries is None
+            else parse_board(self.config.group_key, entries, get_dht_time(), self.config.fingerprint)
+        )
         return stored, board
 
     def _withdraw(self, state: State) -> None:

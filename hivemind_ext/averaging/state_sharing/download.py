@@ -51,6 +51,7 @@ from hivemind_ext.averaging.state_sharing.manifest import (
     parse_manifest,
 )
 from hivemind_ext.averaging.state_sharing.records import DonorRecord, donor_tiers, donors_key, parse_donor_records
+from hivemind_ext.averaging.tensor_layout import TensorSpec
 from hivemind_ext.compression import decompress
 from hivemind_ext.errors import (
     ClosedError,
@@ -60,6 +61,7 @@ from hivemind_ext.errors import (
     HivemindExtError,
     PeerUnreachableError,
     RemoteError,
+    RunMismatchError,
     StateLoadError,
 )
 from hivemind_ext.p2p import (
@@ -187,19 +189,27 @@ class StateLoader:
         limits = Limits(max_payload_bytes=max(MAX_MANIFEST_BYTES, MAX_CHUNK_PAYLOAD_BYTES))
         self.client = RPCClient(p2p, config.rpc_namespace, limits=limits, default_timeout=DEFAULT_LOAD_TIMEOUT)
 
-    async def load_state_from_peers(self, *, timeout: float | None = None) -> tuple[Any, list[torch.Tensor]] | None:
+    async def load_state_from_peers(
+        self, *, timeout: float | None = None, expected_tensors: Sequence[TensorSpec] | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | None:
         """hivemind's ``load_state_from_peers``: ``(metadata, tensors)`` of the newest state, or None if
         no peer shares its state. Raises StateLoadError where hivemind would log and return None
         (donors exist, but none delivered a complete, valid state before the deadline)."""
-        loaded = await self.load_state(timeout=timeout)
+        loaded = await self.load_state(timeout=timeout, expected_tensors=expected_tensors)
         return None if loaded is None else (loaded.metadata, loaded.tensors)
 
-    async def load_state(self, *, timeout: float | None = None) -> LoadedState | None:
+    async def load_state(
+        self, *, timeout: float | None = None, expected_tensors: Sequence[TensorSpec] | None = None
+    ) -> LoadedState | None:
         """Like :meth:`load_state_from_peers`, with the version and who served what.
 
         :param timeout: everything (DHT reads, connections, transfers, retries) ends within this many
           seconds; default 600 (hivemind.Optimizer's ``load_state_timeout``).
+        :param expected_tensors: the shapes that the state's first tensors must have (this peer's
+          model): a donor's manifest is checked against them before any chunk is pulled.
         :returns: None if no donor (other than this peer) advertises a state it shares.
+        :raises RunMismatchError: a donor's state has other shapes than ``expected_tensors`` (a peer of
+          another model under the same prefix: retrying cannot help, so this is not retried).
         :raises StateLoadError: donors exist but none delivered (each failure is logged, and listed
           in the message); or the DHT could not be read; or the deadline passed (the cause is then
           a DeadlineExceededError).
@@ -217,8 +227,11 @@ class StateLoader:
             round_failures: dict[str, BaseException] = {}
             for version, donors in tiers:
                 try:
-                    return await _TierDownload(self, version, donors, deadline, started).run()
+                    return await _TierDownload(self, version, donors, deadline, started, expected_tensors).run()
                 except _TierFailed as failed:
+                    mismatches = [e for e in failed.failures.values() if isinstance(e, RunMismatchError)]
+                    if mismatches:
+                        raise mismatches[0] from None
                     round_failures.update(failed.failures)
                     failures.update(failed.failures)
                     if failed.timed_out is not None:
@@ -251,8 +264,17 @@ class StateLoader:
 class _TierDownload:
     """Downloads one version from its donors, spread over them (steps 2-4 of the module docstring)."""
 
-    def __init__(self, loader: StateLoader, version: int, donors: list[str], deadline: float, started: float) -> None:
+    def __init__(
+        self,
+        loader: StateLoader,
+        version: int,
+        donors: list[str],
+        deadline: float,
+        started: float,
+        expected_tensors: Sequence[TensorSpec] | None = None,
+    ) -> None:
         self.config, self.client = loader.config, loader.client
+        self.expected_tensors = expected_tensors
         self.version, self.deadline, self.started = version, deadline, started
         self.candidates = collections.deque(donors)
         self.reference: Manifest | None = None
@@ -330,6 +352,8 @@ class _TierDownload:
 
     def _adopt(self, donor: str, manifest: Manifest) -> None:
         """The first valid manifest fixes what is downloaded; later donors must match its layout."""
+        if self.expected_tensors is not None:
+            check_expected_tensors(manifest.tensors, self.expected_tensors)
         if self.reference is None:
             if manifest.version < self.version:
                 raise DonorMismatchError(f"{donor} advertised version {self.version} but serves {manifest.version}")
@@ -433,6 +457,18 @@ class _TierDownload:
         except CompressionError as e:
             raise CorruptStateError(f"chunk {index} cannot be decoded: {e}") from None
         self.flat_outputs[spec.tensor][spec.start : spec.end].copy_(values)
+
+
+def check_expected_tensors(theirs: Sequence[TensorSpec], expected: Sequence[TensorSpec]) -> None:
+    """Raises :class:`RunMismatchError` naming the first tensor whose shape differs between a donor's
+    state (``theirs``) and the ``expected`` first tensors of this peer's."""
+    if len(theirs) < len(expected):
+        raise RunMismatchError(f"the donor's state has {len(theirs)} tensors, this peer's at least {len(expected)}")
+    for index, (mine, donor) in enumerate(zip(expected, theirs, strict=False)):
+        if tuple(mine.shape) != tuple(donor.shape):
+            raise RunMismatchError(
+                f"tensor {index}: shape {tuple(mine.shape)} here, {tuple(donor.shape)} in the donor's state"
+            )
 
 
 async def _fetch_manifest(stream: ClientStream, donor: str, deadline: float, max_state_bytes: int) -> Manifest:
