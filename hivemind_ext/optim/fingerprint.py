@@ -127,8 +127,8 @@ def swarm_fingerprint(peers: Iterable[tuple[RunFingerprint | None, int]]) -> Run
 
 
 def describe_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """``name dtype shape`` of each tensor, in order; past :data:`MAX_FIELD_CHARS`, their count and digest."""
-    items = [f"{name} {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}" for name, t in named]
+    """``name: dtype shape`` of each tensor, in order; past :data:`MAX_FIELD_CHARS`, their count and digest."""
+    items = [f"{name}: {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}" for name, t in named]
     text = _ITEM_SEPARATOR.join(items)
     if len(text) <= MAX_FIELD_CHARS:
         return text
@@ -142,8 +142,8 @@ def describe_tensor_difference(mine: str, theirs: str) -> str:
     my_items, their_items = mine.split(_ITEM_SEPARATOR), theirs.split(_ITEM_SEPARATOR)
     for index, (a, b) in enumerate(zip(my_items, their_items, strict=False)):
         if a != b:
-            name, _, spec = a.partition(" ")
-            their_name, _, their_spec = b.partition(" ")
+            name, _, spec = a.rpartition(": ")
+            their_name, _, their_spec = b.rpartition(": ")
             if name != their_name:
                 return f"tensor {index} is {a!r} here, {b!r} in the swarm"
             dtype, _, shape = spec.partition(" ")
@@ -177,11 +177,12 @@ def describe_codec(codec: Any) -> str:
 
 
 def describe_algorithm(algorithm: Any) -> str:
-    """The algorithm's class and its hyperparameters (its public attributes that are plain values)."""
+    """The algorithm's class and its hyperparameters: its public attributes, except callables (such as
+    optimizer factories, which cannot be compared across processes)."""
     params = {
         name: value
         for name, value in sorted(getattr(algorithm, "__dict__", {}).items())
-        if not name.startswith("_") and (value is None or isinstance(value, bool | int | float | str | tuple | list))
+        if not name.startswith("_") and not callable(value)
     }
     inner = ", ".join(f"{name}={describe_setting(value)}" for name, value in params.items())
     return f"{type(algorithm).__name__}({inner})"
