@@ -28,7 +28,7 @@ from hivemind_ext.optim.auxiliary import run_auxiliary_peer
 RUN_ID = "fingerprint_swarm"
 TARGET_BATCH_SIZE = 64
 BATCH_SIZE = 8
-PHASE_SECONDS = 15.0
+PHASE_SECONDS = 20.0
 MIN_EPOCHS_PER_PHASE = 4  # below this a phase measures nothing: the machine is too loaded to judge
 KEPT_SPEED = 0.8  # the issue: the healthy peers' epochs/s stays within 20% of a run without the newcomer
 
