@@ -26,7 +26,12 @@ from hivemind_ext.optim.progress import GlobalTrainingProgress
 from hivemind_ext.optim.rounds import RoundOutcome
 
 MIN_INTERVAL = 0.25  # seconds between two renders (an epoch change renders at once)
-BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n}/{total} samples [{postfix}]"
+BAR_FORMAT = "{{desc}}: {{percentage:3.0f}}%|{{bar}}| {{n}}/{{total}} samples [{status}]"  # tqdm's, with our status
+
+
+def bar_format(postfix: str) -> str:
+    """tqdm's ``bar_format`` showing ``postfix`` after the counts (tqdm's own postfix field starts with a comma)."""
+    return BAR_FORMAT.format(status=postfix.replace("{", "{{").replace("}", "}}"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +91,8 @@ class ProgressBar:
         self._last_epoch: int | None = None
         #: what the bar showed last (None before the first render)
         self.last_status: ProgressStatus | None = None
-        self._bar = tqdm.tqdm(
-            total=tracker.target_batch_size,
-            file=file if file is not None else sys.stderr,
-            bar_format=BAR_FORMAT,
-            dynamic_ncols=file is None,
-            mininterval=0,
-            leave=True,
-        )
+        self._file = file
+        self._bar: tqdm.tqdm | None = None  # created at the first render, so that it starts with a full line
 
     def update(self, local_epoch: int, *, force: bool = False) -> None:
         """Renders the current status, unless it rendered less than ``min_interval`` s ago at the same epoch."""
@@ -108,12 +107,23 @@ class ProgressBar:
 
     def _render(self, local_epoch: int) -> None:
         status = progress_status(self.tracker.global_progress, local_epoch, self.rounds.last_outcome)
-        bar = self._bar
-        bar.total = status.target
-        bar.n = status.samples
-        bar.set_description_str(f"epoch {status.epoch}", refresh=False)
-        bar.set_postfix_str(status.postfix, refresh=False)
-        bar.refresh()
+        if self._bar is None:
+            self._bar = tqdm.tqdm(
+                desc=f"epoch {status.epoch}",
+                total=status.target,
+                initial=status.samples,
+                file=self._file if self._file is not None else sys.stderr,
+                bar_format=bar_format(status.postfix),
+                dynamic_ncols=self._file is None,
+                mininterval=0,
+                leave=True,
+            )
+        else:
+            bar = self._bar
+            bar.total, bar.n = status.target, status.samples
+            bar.set_description_str(f"epoch {status.epoch}", refresh=False)
+            bar.bar_format = bar_format(status.postfix)
+            bar.refresh()
         self.last_status = status
 
     def close(self, local_epoch: int | None = None) -> None:
@@ -126,7 +136,8 @@ class ProgressBar:
                 if local_epoch is not None:
                     self._render(local_epoch)
             finally:
-                self._bar.close()
+                if self._bar is not None:
+                    self._bar.close()
 
 
 def make_progress_bar(option: bool | TextIO | None, *, verbose: bool, tracker: Any, rounds: Any) -> ProgressBar | None:
