@@ -66,7 +66,10 @@ class Optimizer(torch.optim.Optimizer):
 
     Beyond hivemind's: ``algorithm`` (see :mod:`hivemind_ext.optim.algorithms`) and ``round_hooks``, a
     :class:`~hivemind_ext.optim.rounds.RoundHooks` called before and after every round this peer
-    waits on (its gradient rounds and its algorithm's): a seam to watch rounds, or to fail one in a test.
+    waits on (its gradient rounds and its algorithm's): a seam to watch rounds, or to fail one in a test;
+    ``progress``: a progress bar (True: on stderr; a text stream: on it; None: on stderr when ``verbose``
+    and stderr is a terminal; see :mod:`hivemind_ext.optim.progress_bar`). ``verbose=True`` shows the status
+    lines on stderr even when logging is not configured (see :mod:`hivemind_ext.logs`).
     """
 
     #: GradScaler.step(opt) hands itself to ``step(grad_scaler=...)`` (see hivemind_ext.optim.grad_scaler)
