@@ -272,6 +272,7 @@ def train_peer(
             {
                 "time": time.time(),
                 "epoch": opt.local_epoch,
+                "swarm": global_progress(opt),
                 "accuracy": accuracy(model, data.test_x, data.test_y),
                 "steps": stats.steps,
                 "samples": stats.samples,
@@ -521,6 +522,7 @@ class ProgressDisplay:
         self.last_line = ""
         self.last_print = 0.0
         self.totals: list[tuple[float, int]] = []  # (time, samples the swarm processed since the start)
+        self.rates: dict[int, float] = {}  # samples/s of each peer that finished, over its whole run
 
     def update(self, index: int, epoch: int, loss: float, swarm: dict[str, Any], accuracy: float | None = None) -> None:
         self.losses[index] = loss
@@ -531,9 +533,13 @@ class ProgressDisplay:
             self._count_samples(swarm)
         self._show(epoch)
 
-    def done(self, index: int, epoch: int, accuracy: float) -> None:
-        """Peer ``index`` reached the goal at ``epoch`` with this held-out accuracy."""
-        self.accuracy = accuracy
+    def done(self, index: int, payload: dict[str, Any]) -> None:
+        """Peer ``index`` reached the goal (``payload``: its "done" report)."""
+        epoch, self.accuracy, swarm = payload["epoch"], payload["accuracy"], payload.get("swarm") or {}
+        if payload.get("train_seconds"):
+            self.rates[index] = payload["samples"] / payload["train_seconds"]
+        if swarm.get("epoch") is not None and swarm["epoch"] >= self.swarm.get("epoch", -1):
+            self.swarm = swarm
         self._show(epoch, force=self.tty)  # a log gets the line of the final epoch once, from the first peer done
 
     def _show(self, epoch: int, force: bool = False) -> None:
@@ -565,7 +571,7 @@ class ProgressDisplay:
         if speed is not None:
             return float(speed)
         if len(self.totals) < 2 or self.totals[-1][0] - self.totals[0][0] < 1.0:
-            return None
+            return sum(self.rates.values()) if self.rates else None  # a run too short to measure live
         (start, first), (end, last) = self.totals[0], self.totals[-1]
         return max(0.0, (last - first) / (end - start))
 

@@ -191,7 +191,7 @@ def run_swarm(args: argparse.Namespace) -> int:
         elif kind == "progress":
             display.update(index, payload["epoch"], payload["loss"], payload["swarm"], payload.get("accuracy"))
         elif kind == "done":
-            display.done(index, payload["epoch"], payload["accuracy"])
+            display.done(index, payload)
         elif kind == "error":
             display.close()
             print(f"peer {index} failed: {payload['traceback'].rstrip()}", file=sys.stderr, flush=True)
@@ -245,7 +245,7 @@ def run_joining_peer(args: argparse.Namespace) -> int:
         elif kind == "progress":
             display.update(0, payload["epoch"], payload["loss"], payload["swarm"], payload.get("accuracy"))
         elif kind == "done":
-            display.done(0, payload["epoch"], payload["accuracy"])
+            display.done(0, payload)
             display.close()
             print(describe_peer("this peer", args.client_mode, payload), flush=True)
             print(f"held-out accuracy: {payload['accuracy']:.4f}", flush=True)
