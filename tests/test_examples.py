@@ -59,3 +59,12 @@ def test_local_swarm_learns_the_digits() -> None:
     assert found is not None, output
     assert float(found.group(1)) > ACCURACY_FLOOR, output
     assert len(re.findall(r"^peer \d.*held-out accuracy", result.stdout, flags=re.MULTILINE)) == 2, output
+    # the status lines (stdout is a pipe: one line per epoch) show live samples/s and the last held-out
+    # accuracy, and the last of them shows the final epoch
+    status = re.findall(r"^epoch (\d+)/10 \| .*$", result.stdout, flags=re.MULTILINE)
+    lines = [line for line in result.stdout.splitlines() if re.match(r"epoch \d+/10 \| ", line)]
+    assert status and int(status[-1]) == 10, output
+    speeds = [float(m) for line in lines for m in re.findall(r"\| ([0-9.]+) samples/s \|", line)]
+    assert speeds and max(speeds) > 0, output
+    accuracies = [float(m) for line in lines for m in re.findall(r"held-out accuracy ([0-9.]+)", line)]
+    assert accuracies and accuracies[-1] > ACCURACY_FLOOR, output

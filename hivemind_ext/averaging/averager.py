@@ -598,6 +598,7 @@ class DecentralizedAverager:
             bytes_received=result.bytes_received,
             seconds=get_dht_time() - started,
         )
+        control.report = self.last_round
         return result.gathered
 
     def _on_early_stream(self, group_id: bytes) -> None:

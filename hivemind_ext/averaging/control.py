@@ -73,6 +73,7 @@ class StepControl(concurrent.futures.Future):
         self._lock = threading.Lock()
         self._scheduled_time, self._weight = scheduled_time, float(weight)
         self.deadline, self.allow_retries, self.gather = deadline, allow_retries, gather
+        self.report: Any = None  # the averager's RoundReport of the round, set before the step's result
         self._stage = AveragingStage.IDLE
         self._trigger_set = threading.Event()
         self._groupmate_started = threading.Event()

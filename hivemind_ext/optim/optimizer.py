@@ -29,13 +29,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from hivemind import DHT
 
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.errors import ConfigurationError, HivemindExtError, RunMismatchError, StateLoadError
+from hivemind_ext.logs import use_default_handler
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, StepEngine, next_model_key
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
 from hivemind_ext.optim.algorithms.sync_gradients import GradientAllReduce, SyncGradientsImpl
@@ -47,6 +48,7 @@ from hivemind_ext.optim.grad_scaler import BoundGradScaler, GradScaler
 from hivemind_ext.optim.keys import grad_prefix, progress_prefix, state_prefix
 from hivemind_ext.optim.param_groups import group_views
 from hivemind_ext.optim.progress import ProgressTracker
+from hivemind_ext.optim.progress_bar import make_progress_bar
 from hivemind_ext.optim.rounds import RoundDriver, RoundHooks, next_epoch
 from hivemind_ext.optim.run_guard import RunGuard
 from hivemind_ext.optim.state_averager import TrainingStateAverager
@@ -66,7 +68,10 @@ class Optimizer(torch.optim.Optimizer):
 
     Beyond hivemind's: ``algorithm`` (see :mod:`hivemind_ext.optim.algorithms`) and ``round_hooks``, a
     :class:`~hivemind_ext.optim.rounds.RoundHooks` called before and after every round this peer
-    waits on (its gradient rounds and its algorithm's): a seam to watch rounds, or to fail one in a test.
+    waits on (its gradient rounds and its algorithm's): a seam to watch rounds, or to fail one in a test;
+    ``progress``: a progress bar (True: on stderr; a text stream: on it; None: on stderr when ``verbose``
+    and stderr is a terminal; see :mod:`hivemind_ext.optim.progress_bar`). ``verbose=True`` shows the status
+    lines on stderr even when logging is not configured (see :mod:`hivemind_ext.logs`).
     """
 
     #: GradScaler.step(opt) hands itself to ``step(grad_scaler=...)`` (see hivemind_ext.optim.grad_scaler)
@@ -109,6 +114,7 @@ class Optimizer(torch.optim.Optimizer):
         verbose: bool = False,
         algorithm: Algorithm | None = None,
         round_hooks: RoundHooks | None = None,
+        progress: bool | TextIO | None = None,
     ) -> None:
         if not isinstance(dht, DHT):
             raise ConfigurationError(f"dht must be a running hivemind.DHT, got {type(dht).__name__}")
@@ -142,6 +148,9 @@ class Optimizer(torch.optim.Optimizer):
         )
         self.dht, self.run_id = dht, run_id
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
+        if verbose:  # as hivemind's: status lines on stderr with no logging set-up (see hivemind_ext.logs)
+            use_default_handler()
+        self.progress_bar = None  # see hivemind_ext.optim.progress_bar
         self._closed = False
         self._state_lock = threading.RLock()
         self.state_lock = self._state_lock  # held while the optimizer's parameters or state change
@@ -200,7 +209,9 @@ class Optimizer(torch.optim.Optimizer):
                 averaging_timeout=config.averaging_timeout,
                 local_epoch=lambda: self.local_epoch,
                 hooks=round_hooks,
+                status_loglevel=self.status_loglevel,
             )
+            self.progress_bar = make_progress_bar(progress, verbose=verbose, tracker=self.tracker, rounds=self.rounds)
             if self._aux is None:
                 self._start_algorithm(algorithm or GradientAllReduce(), grad_averager_factory)
         except BaseException:
@@ -395,6 +406,8 @@ class Optimizer(torch.optim.Optimizer):
         if self._closed:
             raise HivemindExtError("the optimizer is shut down")
         self._check_run()
+        if self.progress_bar is not None:
+            self.progress_bar.update(self.local_epoch)
         if self._aux is not None:
             if closure is not None or batch_size is not None or grad_scaler is not None:
                 raise ConfigurationError("auxiliary peers do not train: call step() without arguments")
@@ -520,6 +533,12 @@ class Optimizer(torch.optim.Optimizer):
         if before_announcing is not None:
             before_announcing()
         self._announce_epoch(epoch)
+        swarm = self.tracker.global_progress
+        logger.log(
+            self.status_loglevel,
+            f"transitioning to epoch {epoch} (the swarm: {swarm.samples_accumulated} samples of epoch {swarm.epoch} "
+            f"from {swarm.num_peers} peers)",
+        )
         return epoch
 
     def _announce_epoch(self, epoch: int) -> None:
@@ -581,6 +600,8 @@ class Optimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "progress_bar", None) is not None:
+            self.progress_bar.close(self.local_epoch)
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()

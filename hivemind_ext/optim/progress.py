@@ -92,6 +92,7 @@ class GlobalTrainingProgress:
     num_clients: int
     eta_next_epoch: float  # DHT time at which the swarm is expected to reach target_batch_size
     next_fetch_time: float  # DHT time at which the tracker reads the records again
+    samples_per_second: float = 0.0  # the live peers' speeds, summed (not in hivemind's record of this name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -351,6 +352,7 @@ def aggregate_progress(
         num_clients=sum(1 for peer in peers if peer.client_mode),
         eta_next_epoch=now + seconds_to_epoch,
         next_fetch_time=now + seconds_to_fetch,
+        samples_per_second=total_speed,
     )
 
 
@@ -556,6 +558,7 @@ class ProgressTracker:
         self._publish_pending = self._fetch_pending = True
         self._last_publish_time = -math.inf
         self._paused = 0
+        self._last_logged: tuple[int, int, int] | None = None  # the figures of the last status line
 
         self._wake, self._stopping = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{type(self).__name__}({prefix})", daemon=daemon)
@@ -804,6 +807,10 @@ class ProgressTracker:
             self._swarm_fingerprint, self._records, self._foreign = split_by_fingerprint(records, self._local)
             self._global = self._aggregate(now)
             progress = self._global
+            seen = (progress.epoch, progress.samples_accumulated, progress.num_peers)
+            changed, self._last_logged = seen != self._last_logged, seen
+        if not changed:  # a fetch every half second would repeat the same line
+            return
         logger.log(
             self.config.status_loglevel,
             "%s epoch %d: %d/%d samples from %d peers, ETA %.2f s",

@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -60,6 +61,59 @@ class FailedRound:
 
     step_locally: bool
     resync: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundOutcome:
+    """What one round that this peer waited on came to (for its logs and its progress bar).
+
+    :param group_size: members of the round's group (0 when it failed before the averager reported one)
+    :param seconds: the all-reduce's duration when it averaged, else how long this peer waited
+    :param excluded: members left out of the average (base58 peer id -> why)
+    :param error: why the round failed; None when it averaged
+    :param auxiliary: members that contributed no tensors and were not excluded (auxiliary peers)
+    """
+
+    group_size: int
+    seconds: float
+    excluded: dict[str, str] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+    auxiliary: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def describe(self, *, short: bool = False) -> str:
+        """One line: ``averaged with 4 peers in 0.31 s (1 excluded: ...)`` or ``round failed: ...``
+        (``short``: ``avg 4 peers 0.31s``, for a progress bar)."""
+        if self.error is not None:
+            return f"round failed: {self.error}" if not short else f"round failed: {self.error[:60]}"
+        if short:
+            excluded = f" -{len(self.excluded)}" if self.excluded else ""
+            return f"avg {self.group_size} peers{excluded} {self.seconds:.2f}s"
+        text = f"averaged with {self.group_size} peers in {self.seconds:.2f} s"
+        if self.excluded:
+            reasons = "; ".join(f"{peer[-8:]}: {reason}" for peer, reason in sorted(self.excluded.items()))
+            text += f" ({len(self.excluded)} excluded: {reasons})"
+        return text
+
+
+def round_outcome(control: StepControl, error: BaseException | None, waited: float) -> RoundOutcome:
+    """The outcome of a round from its control (whose ``report`` the averager set) and the wait's end."""
+    report = getattr(control, "report", None)
+    if error is not None:
+        return RoundOutcome(group_size=0, seconds=waited, error=str(error) or type(error).__name__)
+    if report is None:  # a control that no averager reported on (e.g. a test's)
+        result = control.result(0) if control.done() else None
+        return RoundOutcome(group_size=len(result) if isinstance(result, dict) else 0, seconds=waited)
+    contributed = {peer for part in report.contributors for peer in part} | set(report.excluded)
+    return RoundOutcome(
+        group_size=report.group_size,
+        seconds=report.seconds,
+        excluded=dict(report.excluded),
+        auxiliary=max(0, report.group_size - len(contributed)),
+    )
 
 
 # ----- the decisions (pure)
@@ -166,6 +220,7 @@ class RoundDriver:
     :param tracker: the run's progress tracker (its ``global_progress``: the swarm's epoch, peers)
     :param local_epoch: returns this peer's epoch
     :param hooks: see :class:`RoundHooks`
+    :param status_loglevel: the level of the line that says how each round ended (INFO with ``verbose``)
     """
 
     def __init__(
@@ -176,11 +231,15 @@ class RoundDriver:
         averaging_timeout: float,
         local_epoch: Callable[[], int],
         hooks: RoundHooks | None = None,
+        status_loglevel: int = logging.DEBUG,
     ) -> None:
         self.tracker = tracker
         self.matchmaking_time, self.averaging_timeout = float(matchmaking_time), float(averaging_timeout)
         self.local_epoch = local_epoch
         self.hooks = hooks if hooks is not None else RoundHooks()
+        self.status_loglevel = status_loglevel
+        #: how the last round waited on ended (None before the first)
+        self.last_outcome: RoundOutcome | None = None
         self._resync = False
 
     # ----- after a missed or failed round
@@ -225,16 +284,30 @@ class RoundDriver:
         deadline (DeadlineExceededError); with ``watch_swarm``, as soon as the swarm has finished this
         epoch while this peer still looks for a group (MatchmakingError); when ``stop`` is set
         (concurrent.futures.CancelledError). Re-raises what the round raised."""
+        started = time.monotonic()
         try:
             self.hooks.before_round(control, watch_swarm=watch_swarm)
             result = self._wait(control, watch_swarm=watch_swarm, stop=stop)
         except BaseException as e:
             if not control.done():
                 control.cancel()
+            self._record(control, e, started)
             self.hooks.after_round(control, e)
             raise
+        self._record(control, None, started)
         self.hooks.after_round(control, None)
         return result
+
+    def _record(self, control: StepControl, error: BaseException | None, started: float) -> None:
+        outcome = round_outcome(control, error, time.monotonic() - started)
+        self.last_outcome = outcome
+        # a failure is also a warning of the caller, which says what the peer does next: details only here
+        logger.log(
+            self.status_loglevel if outcome.ok else logging.DEBUG,
+            "round of epoch %d: %s",
+            self.local_epoch(),
+            outcome.describe(),
+        )
 
     def _wait(self, control: StepControl, *, watch_swarm: bool, stop: threading.Event | None) -> Any:
         def abandon() -> bool:

@@ -350,7 +350,7 @@ class SyncGradientsImpl(AlgorithmImpl):
         peers = report.group_size if report is not None else len(gathered or {})
         self.last_round_samples = gathered_samples(gathered)
         self.last_epoch_samples = sum(self.last_round_samples.values())
-        logger.log(self.context.status_loglevel, f"averaged gradients with {peers} peers")
+        logger.debug(f"averaged gradients with {peers} peers")  # the round driver logs the round's outcome
         epochs = gathered_epochs(gathered)
         # compared with the round's epoch, never the current one: with delay_grad_averaging this runs in
         # the background after the peer entered the next epoch, and every round would look like a miss
