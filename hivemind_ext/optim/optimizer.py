@@ -36,6 +36,7 @@ from hivemind import DHT
 
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.errors import ConfigurationError, HivemindExtError, StateLoadError
+from hivemind_ext.monitoring.publisher import MetricsPublisher
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, StepEngine, next_model_key
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
 from hivemind_ext.optim.algorithms.sync_gradients import GradientAllReduce, SyncGradientsImpl
@@ -65,6 +66,8 @@ class Optimizer(torch.optim.Optimizer):
     Beyond hivemind's: ``algorithm`` (see :mod:`hivemind_ext.optim.algorithms`) and ``round_hooks``, a
     :class:`~hivemind_ext.optim.rounds.RoundHooks` called before and after every round this peer
     waits on (its gradient rounds and its algorithm's): a seam to watch rounds, or to fail one in a test.
+    ``metrics_period``: publish this peer's metrics (epoch, speed, role, rounds, traffic, and the losses
+    given to :meth:`report_loss`) as a signed DHT record every that many seconds, for ``hivemind-ext monitor``.
     """
 
     #: GradScaler.step(opt) hands itself to ``step(grad_scaler=...)`` (see hivemind_ext.optim.grad_scaler)
@@ -107,6 +110,7 @@ class Optimizer(torch.optim.Optimizer):
         verbose: bool = False,
         algorithm: Algorithm | None = None,
         round_hooks: RoundHooks | None = None,
+        metrics_period: float | None = None,
     ) -> None:
         if not isinstance(dht, DHT):
             raise ConfigurationError(f"dht must be a running hivemind.DHT, got {type(dht).__name__}")
@@ -169,6 +173,7 @@ class Optimizer(torch.optim.Optimizer):
         self._first_step = True
         self._blocked_seconds = 0.0  # time step() spent downloading the state (the engine counts its own)
         self._started: list[Any] = []  # what shutdown() must stop, in start order
+        self.metrics_publisher: MetricsPublisher | None = None  # with metrics_period
         try:
             self._start_components(
                 state_averaging_compression, load_state_compression, dict(averager_opts or {}), dict(tracker_opts or {})
@@ -183,6 +188,9 @@ class Optimizer(torch.optim.Optimizer):
             )
             if self._aux is None:
                 self._start_algorithm(algorithm or GradientAllReduce(), grad_averager_factory)
+            if metrics_period is not None:
+                self.metrics_publisher = MetricsPublisher.for_optimizer(self, metrics_period)
+                self._started.append(self.metrics_publisher)
         except BaseException:
             self.shutdown()
             raise
@@ -398,6 +406,12 @@ class Optimizer(torch.optim.Optimizer):
             return loss
         engine.train_step(batch_size, BoundGradScaler(grad_scaler, self) if grad_scaler is not None else None)
         return loss
+
+    def report_loss(self, loss: Any) -> None:
+        """A training loss (a number or a one-element tensor) for the next metrics record, which
+        publishes the mean of those reported since the previous one; does nothing without ``metrics_period``."""
+        if self.metrics_publisher is not None:
+            self.metrics_publisher.report_loss(loss)
 
     def _training_engine(self) -> StepEngine:
         if self._engine is None:
