@@ -15,6 +15,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from hivemind_ext.monitoring.cli import add_monitor_parser, run_monitor
+
 DEFAULT_HOST_MADDRS = ["/ip4/0.0.0.0/tcp/0"]
 EXIT_OK, EXIT_ERROR = 0, 1
 
@@ -115,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print a status line at least this often, and whenever the epoch changes (default: %(default)s)",
     )
     aux.add_argument("--verbose", action="store_true", help="log the details of every round")
+    add_monitor_parser(commands)
     return parser
 
 
@@ -188,6 +191,8 @@ def run_aux(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
+    if args.command == "monitor":
+        return run_monitor(args)
     if args.command == "aux":
         try:
             return run_aux(args)

@@ -39,6 +39,7 @@ from hivemind_ext.averaging.delta import apply_average
 from hivemind_ext.averaging.matchmaking.group import GroupInfo
 from hivemind_ext.averaging.matchmaking.group_key import check_group_bits, next_group_bits_of
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
+from hivemind_ext.averaging.round_stats import round_stats_of
 from hivemind_ext.averaging.scratch import RoundBuffers, ScratchBuffers
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
 from hivemind_ext.averaging.tensor_layout import TensorSpec
@@ -522,13 +523,17 @@ class DecentralizedAverager:
                     gathered = await self._attempt(control)
                 except (MatchmakingError, AllreduceError, DeadlineExceededError) as e:
                     if not control.allow_retries or get_dht_time() >= control.deadline or control.done():
+                        self._record_result(ok=False)
                         _settle(control, exception=e)
                         return
                     logger.info(f"averaging round failed ({e}); looking for another group")
                     continue
+                self._record_result(ok=True)
                 _settle(control, result=gathered)
                 return
         except BaseException as e:
+            if isinstance(e, Exception):
+                self._record_result(ok=False)
             _settle(control, exception=e if isinstance(e, Exception) else AllreduceError("the averager stopped"))
             raise
         finally:
@@ -599,7 +604,16 @@ class DecentralizedAverager:
             seconds=get_dht_time() - started,
         )
         control.report = self.last_round
+        if self._runtime is not None:
+            round_stats_of(self._runtime).record_allreduce(
+                seconds=self.last_round.seconds, bytes_sent=result.bytes_sent, bytes_received=result.bytes_received
+            )
         return result.gathered
+
+    def _record_result(self, ok: bool) -> None:
+        """Counts one finished step in the peer's :func:`~hivemind_ext.averaging.round_stats.round_stats_of`."""
+        if self._runtime is not None:
+            round_stats_of(self._runtime).record_result(ok)
 
     def _on_early_stream(self, group_id: bytes) -> None:
         control = self._awaiting_trigger.get(group_id)

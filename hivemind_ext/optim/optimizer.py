@@ -37,6 +37,7 @@ from hivemind import DHT
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.errors import ConfigurationError, HivemindExtError, RunMismatchError, StateLoadError
 from hivemind_ext.logs import use_default_handler
+from hivemind_ext.monitoring.publisher import MetricsPublisher
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, StepEngine, next_model_key
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
 from hivemind_ext.optim.algorithms.sync_gradients import GradientAllReduce, SyncGradientsImpl
@@ -72,6 +73,8 @@ class Optimizer(torch.optim.Optimizer):
     ``progress``: a progress bar (True: on stderr; a text stream: on it; None: on stderr when ``verbose``
     and stderr is a terminal; see :mod:`hivemind_ext.optim.progress_bar`). ``verbose=True`` shows the status
     lines on stderr even when logging is not configured (see :mod:`hivemind_ext.logs`).
+    ``metrics_period``: publish this peer's metrics (epoch, speed, role, rounds, traffic, and the losses
+    given to :meth:`report_loss`) as a signed DHT record every that many seconds, for ``hivemind-ext monitor``.
     """
 
     #: GradScaler.step(opt) hands itself to ``step(grad_scaler=...)`` (see hivemind_ext.optim.grad_scaler)
@@ -115,6 +118,7 @@ class Optimizer(torch.optim.Optimizer):
         algorithm: Algorithm | None = None,
         round_hooks: RoundHooks | None = None,
         progress: bool | TextIO | None = None,
+        metrics_period: float | None = None,
     ) -> None:
         if not isinstance(dht, DHT):
             raise ConfigurationError(f"dht must be a running hivemind.DHT, got {type(dht).__name__}")
@@ -195,6 +199,7 @@ class Optimizer(torch.optim.Optimizer):
         self._first_step = True
         self._blocked_seconds = 0.0  # time step() spent downloading the state (the engine counts its own)
         self._started: list[Any] = []  # what shutdown() must stop, in start order
+        self.metrics_publisher: MetricsPublisher | None = None  # with metrics_period
         try:
             self._start_components(
                 state_averaging_compression,
@@ -214,6 +219,9 @@ class Optimizer(torch.optim.Optimizer):
             self.progress_bar = make_progress_bar(progress, verbose=verbose, tracker=self.tracker, rounds=self.rounds)
             if self._aux is None:
                 self._start_algorithm(algorithm or GradientAllReduce(), grad_averager_factory)
+            if metrics_period is not None:
+                self.metrics_publisher = MetricsPublisher.for_optimizer(self, metrics_period)
+                self._started.append(self.metrics_publisher)
         except BaseException:
             self.shutdown()
             raise
@@ -442,6 +450,12 @@ class Optimizer(torch.optim.Optimizer):
         except RunMismatchError:
             self.shutdown()
             raise
+
+    def report_loss(self, loss: Any) -> None:
+        """A training loss (a number or a one-element tensor) for the next metrics record, which
+        publishes the mean of those reported since the previous one; does nothing without ``metrics_period``."""
+        if self.metrics_publisher is not None:
+            self.metrics_publisher.report_loss(loss)
 
     def _training_engine(self) -> StepEngine:
         if self._engine is None:

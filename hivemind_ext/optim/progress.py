@@ -579,6 +579,12 @@ class ProgressTracker:
         return self._runtime
 
     @property
+    def owner_subkey(self) -> bytes:
+        """The ``[owner:<public key>]`` subkey this peer's records go under; the DHT signs every
+        record stored under it with this peer's key (other signed records of the peer can use it too)."""
+        return self._own_subkey
+
+    @property
     def performance_ema(self) -> SpeedEstimate:
         """This peer's measured speed (samples per second), with the interface of hivemind's
         ``PerformanceEMA`` (see :class:`SpeedEstimate`); it is what the tracker publishes."""
