@@ -9,8 +9,9 @@ accept only owner subkeys; and :class:`ProgressRecordValidator` makes the nodes 
 refuse such unprotected or malformed entries at store time too.
 
 A record's value is the list ``[peer_id, epoch, samples_accumulated, samples_per_second, time,
-client_mode]``, or ``None`` once its owner has left. The DHT is open to anyone: every record is
-parsed strictly and a malformed one is skipped, never trusted.
+client_mode]`` (an auxiliary peer appends ``True``: it brings no samples and no gradients, see
+:attr:`GlobalTrainingProgress.num_trainers`), or ``None`` once its owner has left. The DHT is open
+to anyone: every record is parsed strictly and a malformed one is skipped, never trusted.
 
 :func:`aggregate_progress` turns the records into a :class:`GlobalTrainingProgress`; it is a pure
 function of the records, this peer's own progress and the clock, so tests drive it directly.
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 MAX_COUNT = 2**62  # epochs and sample counts above this are absurd: such a record is malformed
 RECORD_FIELDS = 6
+AUXILIARY_RECORD_FIELDS = 7  # the record of an auxiliary peer: a trailing True
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58
 _OWNER_SUBKEY = re.compile(rb"\[owner:(.+)\]", re.DOTALL)  # RSASignatureValidator.PUBLIC_KEY_FORMAT, whole subkey
 _POLL_SECONDS = 0.1  # how often a wait on the DHT checks whether the tracker is shutting down
@@ -73,6 +75,7 @@ class LocalTrainingProgress:
     samples_per_second: float
     time: float  # DHT time of the report
     client_mode: bool
+    auxiliary: bool = False  # an auxiliary peer: it helps average but brings no gradients
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,13 @@ class GlobalTrainingProgress:
     num_clients: int
     eta_next_epoch: float  # DHT time at which the swarm is expected to reach target_batch_size
     next_fetch_time: float  # DHT time at which the tracker reads the records again
+    num_auxiliary: int = 0  # auxiliary peers among num_peers
+
+    @property
+    def num_trainers(self) -> int:
+        """The peers that bring gradients (client-mode ones included, auxiliary ones not): the ones a
+        trainer averages with, and what decides whether a round can average anything at all."""
+        return self.num_peers - self.num_auxiliary
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,14 +202,17 @@ def progress_value(progress: LocalTrainingProgress) -> list[Any]:
         float(progress.samples_per_second),
         float(progress.time),
         progress.client_mode,
-    ]
+    ] + ([True] if progress.auxiliary else [])
 
 
 def parse_progress_value(value: Any) -> LocalTrainingProgress:
     """One record's value; raises :class:`ProtocolError` if anything in it is malformed."""
-    if not isinstance(value, list | tuple) or len(value) != RECORD_FIELDS:
-        raise ProtocolError(f"a progress record must be a list of {RECORD_FIELDS} fields")
-    peer_id, epoch, samples, speed, report_time, client_mode = value
+    if not isinstance(value, list | tuple) or len(value) not in (RECORD_FIELDS, AUXILIARY_RECORD_FIELDS):
+        raise ProtocolError(f"a progress record must be a list of {RECORD_FIELDS} fields (or {RECORD_FIELDS} and True)")
+    peer_id, epoch, samples, speed, report_time, client_mode = value[:RECORD_FIELDS]
+    auxiliary = len(value) == AUXILIARY_RECORD_FIELDS
+    if auxiliary and value[RECORD_FIELDS] is not True:
+        raise ProtocolError("the 7th field of a progress record, if present, must be True (an auxiliary peer)")
     if not isinstance(peer_id, str) or not _PEER_ID.fullmatch(peer_id):
         raise ProtocolError("peer_id must be a base58 string")
     if type(epoch) is not int or not 0 <= epoch <= MAX_COUNT:
@@ -212,7 +225,7 @@ def parse_progress_value(value: Any) -> LocalTrainingProgress:
         raise ProtocolError("time must be a finite number")
     if not isinstance(client_mode, bool):
         raise ProtocolError("client_mode must be a bool")
-    return LocalTrainingProgress(peer_id, epoch, samples, float(speed), float(report_time), client_mode)
+    return LocalTrainingProgress(peer_id, epoch, samples, float(speed), float(report_time), client_mode, auxiliary)
 
 
 def is_owner_subkey(subkey: Any) -> bool:
@@ -328,6 +341,7 @@ def aggregate_progress(
         num_clients=sum(1 for peer in peers if peer.client_mode),
         eta_next_epoch=now + seconds_to_epoch,
         next_fetch_time=now + seconds_to_fetch,
+        num_auxiliary=sum(1 for peer in peers if peer.auxiliary),
     )
 
 
@@ -463,6 +477,9 @@ class ProgressTracker:
     returns promptly. With ``start=True`` the constructor reads the swarm's progress once (waiting
     at most the request timeout), so :attr:`global_progress` is meaningful from the start;
     :meth:`start` alone does not wait.
+
+    Beyond hivemind's arguments: ``auxiliary=True`` marks this peer's record as an auxiliary peer's
+    (see :attr:`GlobalTrainingProgress.num_trainers`).
     """
 
     def __init__(
@@ -472,6 +489,7 @@ class ProgressTracker:
         target_batch_size: int,
         *,
         client_mode: bool | None = None,
+        auxiliary: bool = False,
         min_refresh_period: float = 0.5,
         max_refresh_period: float = 10.0,
         default_refresh_period: float = 3.0,
@@ -498,6 +516,7 @@ class ProgressTracker:
         )
         self.dht, self.prefix, self.target_batch_size = dht, prefix, target_batch_size
         self.client_mode = dht.client_mode if client_mode is None else client_mode
+        self.auxiliary = bool(auxiliary)  # published with the record: trainers do not count it as one of them
         self.training_progress_key = self.config.training_progress_key
         self._runtime = PeerRuntime.acquire(dht)  # released by shutdown(), or below if construction fails
         try:
@@ -520,7 +539,9 @@ class ProgressTracker:
 
         self._lock = threading.Lock()  # guards every field below that the thread and the callers share
         self._speed = SpeedEstimate(performance_ema_alpha)
-        self._local = LocalTrainingProgress(dht.peer_id.to_base58(), 0, 0, 0.0, get_dht_time(), self.client_mode)
+        self._local = LocalTrainingProgress(
+            dht.peer_id.to_base58(), 0, 0, 0.0, get_dht_time(), self.client_mode, self.auxiliary
+        )
         self._records: list[LocalTrainingProgress] = []  # the other peers' records, as last fetched
         now = get_dht_time()
         self._global = dataclasses.replace(self._aggregate(now), next_fetch_time=now)
@@ -814,7 +835,7 @@ class ProgressTracker:
     def _set_local(self, epoch: int, samples: int, update_global_samples: bool) -> None:
         now = get_dht_time()
         self._local = LocalTrainingProgress(
-            self._local.peer_id, epoch, samples, self._speed.samples_per_second, now, self.client_mode
+            self._local.peer_id, epoch, samples, self._speed.samples_per_second, now, self.client_mode, self.auxiliary
         )
         if update_global_samples:
             fresh = self._aggregate(now)
