@@ -159,7 +159,7 @@ def run_auxiliary_peer(
 ) -> int:
     """Runs an auxiliary peer until ``stop`` is set (or ``max_rounds`` rounds joined); returns the rounds joined.
 
-    A status line (epoch, samples toward the target, peers, rounds helped) goes to ``on_status`` (default:
+    A status line (epoch, samples toward the target, trainers, rounds helped) goes to ``on_status`` (default:
     this module's logger at INFO) when the swarm's epoch changes, and at least every ``status_interval`` s.
     """
     stop = stop if stop is not None else threading.Event()
@@ -192,7 +192,8 @@ def run_auxiliary_peer(
             if reported != (progress.epoch, peer.rounds_joined) or now - last_report >= status_interval:
                 report(
                     f"epoch {progress.epoch}: {progress.samples_accumulated}/{target_batch_size} samples, "
-                    f"{progress.num_peers} peers, {peer.rounds_joined} rounds helped"
+                    f"{progress.num_trainers} trainers, {peer.rounds_joined} rounds helped"
+                    + ("" if should_help(progress.num_trainers) else " (waiting for a second trainer)")
                 )
                 reported, last_report = (progress.epoch, peer.rounds_joined), now
         return peer.rounds_joined
