@@ -120,6 +120,17 @@ def test_expected_peers_form_one_group_before_the_scheduled_time() -> None:
         config(target_group_size=None, expected_group_size=0)
 
 
+def test_expected_peers_count_only_contributors_and_take_the_auxiliary_peers_along() -> None:
+    """Issue 11 item 4: an auxiliary peer never stands in for an expected trainer (the group would form
+    without the trainer, who then misses the round), and one that is looking joins the group."""
+    hint = config(target_group_size=None, expected_group_size=2)
+    trainer_and_aux = [declaration(0), declaration(1, auxiliary=True)]
+    assert plan_groups(NOT_DUE, trainer_and_aux, hint) == []  # the second trainer is not here yet
+    (group,) = plan_groups(NOT_DUE, [*trainer_and_aux, declaration(2)], hint)
+    assert indices(group) == [0, 1, 2]
+    assert plan_groups(NOT_DUE, [declaration(0), declaration(1)], hint) != []  # two trainers, no aux
+
+
 def test_one_due_peer_is_enough_to_end_the_wait() -> None:
     looking = [*peers(2), declaration(2, ready_at=DUE - 1)]
     assert sizes(plan_groups(150.0, looking, config())) == [3]

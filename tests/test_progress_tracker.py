@@ -180,6 +180,7 @@ MALFORMED_VALUES = [
     with_field(5, 1),  # client_mode must be a bool
     GOOD[:5],  # wrong field count
     [*GOOD, 0],
+    [*GOOD, False],  # the auxiliary flag is present only as True
     {"epoch": 1},
     "garbage",
     42,
@@ -200,6 +201,18 @@ def test_records_are_parsed_strictly_and_bad_ones_skipped() -> None:
     records = parse_progress_records(entries, now=NOW, exclude_subkey=other_owner)
     assert records == [LocalTrainingProgress("QmPeer", 1, 5, 2.5, NOW, False)]
     assert parse_progress_records([(OWNER, progress_value(records[0]), NOW + 1)], now=NOW) == records
+
+
+def test_auxiliary_peers_are_marked_in_their_record_and_not_counted_as_trainers() -> None:
+    """Issue 11 item 4: trainers must count only each other, or a lone trainer averages with an
+    auxiliary peer (nothing to average) instead of stepping alone."""
+    aux = LocalTrainingProgress("QmAux", 1, 0, 0.0, NOW, False, auxiliary=True)
+    assert progress_value(aux) == ["QmAux", 1, 0, 0.0, NOW, False, True]
+    assert parse_progress_records([(OWNER, progress_value(aux), NOW + 1)], now=NOW) == [aux]
+    progress = aggregate([aux, peer("B", 1, 10)], peer("A", 1, 5))
+    assert (progress.num_peers, progress.num_auxiliary, progress.num_trainers) == (3, 1, 2)
+    alone_with_aux = aggregate([aux], peer("A", 1, 5))
+    assert (alone_with_aux.num_peers, alone_with_aux.num_trainers) == (2, 1)
 
 
 def test_record_validator_refuses_unprotected_and_malformed_entries_under_its_key_only() -> None:

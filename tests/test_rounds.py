@@ -12,6 +12,7 @@ from hivemind.utils import get_dht_time
 
 from hivemind_ext.averaging.control import AveragingStage
 from hivemind_ext.errors import AllreduceError, DeadlineExceededError, MatchmakingError
+from hivemind_ext.optim.progress import GlobalTrainingProgress
 from hivemind_ext.optim.rounds import (
     FailedRound,
     RoundDriver,
@@ -144,8 +145,18 @@ class _Recorder(RoundHooks):
         self.events.append(("after", type(error).__name__ if error is not None else None))
 
 
-def driver(hooks: RoundHooks | None = None, *, swarm_epoch: int = 0, peers: int = 2) -> RoundDriver:
-    tracker = SimpleNamespace(global_progress=SimpleNamespace(epoch=swarm_epoch, num_peers=peers))
+def driver(hooks: RoundHooks | None = None, *, swarm_epoch: int = 0, peers: int = 2, aux: int = 0) -> RoundDriver:
+    progress = GlobalTrainingProgress(
+        epoch=swarm_epoch,
+        samples_accumulated=0,
+        target_batch_size=1,
+        num_peers=peers + aux,
+        num_clients=0,
+        eta_next_epoch=0.0,
+        next_fetch_time=0.0,
+        num_auxiliary=aux,
+    )
+    tracker = SimpleNamespace(global_progress=progress)
     return RoundDriver(tracker=tracker, matchmaking_time=0.5, averaging_timeout=5.0, local_epoch=lambda: 0, hooks=hooks)
 
 
@@ -194,10 +205,16 @@ def test_a_stop_flag_abandons_the_round() -> None:
     assert control.cancelled()
 
 
-@pytest.mark.parametrize("peers, resync", [(1, False), (3, True)])
-def test_a_resync_request_follows_the_failed_round_rule(peers, resync) -> None:
-    rounds = driver(peers=peers)
+@pytest.mark.parametrize("peers, aux, resync", [(1, 0, False), (3, 0, True), (1, 2, False)])
+def test_a_resync_request_follows_the_failed_round_rule(peers, aux, resync) -> None:
+    """A trainer with only auxiliary peers around has no one to download the state from."""
+    rounds = driver(peers=peers, aux=aux)
     assert rounds.request_resync() is resync and rounds.resync_pending is resync
     assert rounds.request_resync(missed=True) and rounds.resync_pending
     rounds.clear_resync()
     assert not rounds.resync_pending
+
+
+def test_auxiliary_peers_are_never_expected_in_a_group() -> None:
+    assert driver(peers=1, aux=2).plan().expected_group_size is None  # a lone trainer expects no one
+    assert driver(peers=2, aux=1).plan().expected_group_size == 2

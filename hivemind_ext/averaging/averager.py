@@ -476,8 +476,9 @@ class DecentralizedAverager:
         :param timeout: give up if no group is found within this many seconds
         :param allow_retries: on a failed round, look for another group until ``timeout``
         :param require_trigger: wait for ``control.allow_allreduce()`` before the all-reduce (needs wait=False)
-        :param expected_group_size: how many peers to expect (without ``target_group_size``): the group
-          forms as soon as that many are looking, instead of at ``scheduled_time``
+        :param expected_group_size: how many contributing (not auxiliary) peers to expect (without
+          ``target_group_size``): the group forms as soon as that many are looking, instead of at
+          ``scheduled_time``
         :param wait: block until done and return the gathered data; else return a StepControl
         :raises MatchmakingError, AllreduceError: (with wait=True) when the step fails
         """

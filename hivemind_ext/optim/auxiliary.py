@@ -5,6 +5,12 @@ averaging round when the swarm is about to reach ``target_batch_size``, owns a p
 all-reduce (it reduces what the trainers send and sends the averages back) and contributes no
 gradients. It needs no model: the round's layout arrives with the trainers' streams.
 
+It never makes training slower than without it: it joins only rounds where it can help, those of
+two trainers or more (:func:`should_help`). Its progress record says it is auxiliary, so trainers
+count only each other: a trainer alone steps alone at once, and a trainer never waits for an
+auxiliary peer to form its group (matchmaking compares the expected group size with the
+contributing peers that are looking; an auxiliary peer that looks too joins the group).
+
 Used by ``Optimizer(auxiliary=True)`` and by the command ``hivemind-ext aux``. It is a role, not an
 algorithm: an algorithm decides how a model is updated from its gradients (``AlgorithmImpl`` and its
 hooks all act on a model), while this peer has no model, takes no batches and never steps; it
@@ -31,10 +37,22 @@ from hivemind_ext.optim.config import averager_options
 from hivemind_ext.optim.fingerprint import auxiliary_fingerprint
 from hivemind_ext.optim.keys import grad_prefix, progress_prefix
 from hivemind_ext.optim.progress import ProgressTracker
-from hivemind_ext.optim.rounds import next_epoch, plan_round, should_prepare_round
+from hivemind_ext.optim.rounds import (
+    SEARCHING,
+    next_epoch,
+    plan_round,
+    should_abandon_search,
+    should_prepare_round,
+)
 from hivemind_ext.optim.run_guard import RunGuard
 
 logger = logging.getLogger(__name__)
+
+
+def should_help(num_trainers: int) -> bool:
+    """Whether an auxiliary peer joins the coming round: only a round of two trainers or more
+    averages anything. With one, the round would cost the trainer a matchmaking wait for nothing."""
+    return num_trainers >= 2
 
 
 class AuxiliaryPeer:
@@ -76,7 +94,11 @@ class AuxiliaryPeer:
         self.tracker.report_local_progress(self.local_epoch, 0)
         now = get_dht_time()
         eta = self.tracker.estimated_next_update_time
-        if self._control is None and should_prepare_round(now, eta, self.matchmaking_time):
+        if (
+            self._control is None
+            and should_help(progress.num_trainers)
+            and should_prepare_round(now, eta, self.matchmaking_time)
+        ):
             # the trainers' rule for the round's time (they expect no one before their first round either)
             plan = plan_round(
                 now, matchmaking_time=self.matchmaking_time, averaging_timeout=self.averaging_timeout, eta=eta
@@ -95,6 +117,14 @@ class AuxiliaryPeer:
             self._control = control
         control = self._control
         if control is None:
+            return
+        searching = control.stage in SEARCHING
+        if should_abandon_search(
+            searching=searching, swarm_epoch=progress.epoch, local_epoch=self.local_epoch, watch_swarm=True
+        ):
+            # the trainers averaged this epoch without us: waiting on could only last until the deadline
+            control.cancel()
+            self._control, self.local_epoch = None, progress.epoch
             return
         if not control.triggered and (self.tracker.ready_to_update_epoch or control.groupmate_started):
             control.allow_allreduce()
@@ -132,7 +162,7 @@ def run_auxiliary_peer(
 ) -> int:
     """Runs an auxiliary peer until ``stop`` is set (or ``max_rounds`` rounds joined); returns the rounds joined.
 
-    A status line (epoch, samples toward the target, peers, rounds helped) goes to ``on_status`` (default:
+    A status line (epoch, samples toward the target, trainers, rounds helped) goes to ``on_status`` (default:
     this module's logger at INFO) when the swarm's epoch changes, and at least every ``status_interval`` s.
 
     :raises RunMismatchError: the trainers' run has another ``target_batch_size`` (checked on join and
@@ -142,7 +172,9 @@ def run_auxiliary_peer(
     stop = stop if stop is not None else threading.Event()
     report = on_status if on_status is not None else logger.info
     tracker_opts = {"fingerprint": auxiliary_fingerprint(target_batch_size), **(tracker_opts or {})}
-    tracker = ProgressTracker(dht, progress_prefix(run_id), target_batch_size, start=True, **tracker_opts)
+    tracker = ProgressTracker(
+        dht, progress_prefix(run_id), target_batch_size, auxiliary=True, start=True, **tracker_opts
+    )
     averager: DecentralizedAverager | None = None
     peer: AuxiliaryPeer | None = None
     try:
@@ -171,7 +203,8 @@ def run_auxiliary_peer(
             if reported != (progress.epoch, peer.rounds_joined) or now - last_report >= status_interval:
                 report(
                     f"epoch {progress.epoch}: {progress.samples_accumulated}/{target_batch_size} samples, "
-                    f"{progress.num_peers} peers, {peer.rounds_joined} rounds helped"
+                    f"{progress.num_trainers} trainers, {peer.rounds_joined} rounds helped"
+                    + ("" if should_help(progress.num_trainers) else " (waiting for a second trainer)")
                 )
                 reported, last_report = (progress.epoch, peer.rounds_joined), now
         return peer.rounds_joined

@@ -243,6 +243,7 @@ class Optimizer(torch.optim.Optimizer):
                 progress_prefix(config.run_id),
                 config.target_batch_size,
                 client_mode=config.client_mode,
+                auxiliary=config.auxiliary,
                 status_loglevel=self.status_loglevel,
                 start=True,
                 **tracker_opts,

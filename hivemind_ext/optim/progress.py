@@ -9,11 +9,13 @@ accept only owner subkeys; and :class:`ProgressRecordValidator` makes the nodes 
 refuse such unprotected or malformed entries at store time too.
 
 A record's value is the list ``[peer_id, epoch, samples_accumulated, samples_per_second, time,
-client_mode]``, with the peer's run fingerprint (:mod:`.fingerprint`) as a seventh item if it has
-one, or ``None`` once its owner has left. The tracker counts only the peers whose fingerprint is
-compatible with the swarm's (:func:`~.fingerprint.swarm_fingerprint`): a peer of another model or
-other settings under the same run_id neither adds to the swarm's progress nor to the group size
-that peers expect (:attr:`ProgressTracker.foreign_peers` lists it). The DHT is open to anyone: every record is
+client_mode]``, then the peer's run fingerprint (:mod:`.fingerprint`) as a seventh item if it has
+one (``None`` if not), and ``True`` as an eighth item from an auxiliary peer (it brings no samples and no
+gradients, see :attr:`GlobalTrainingProgress.num_trainers`); or ``None`` once its owner has left. The
+tracker counts only the peers whose fingerprint is compatible with the swarm's
+(:func:`~.fingerprint.swarm_fingerprint`): a peer of another model or other settings under the same
+run_id neither adds to the swarm's progress nor to the group size that peers expect
+(:attr:`ProgressTracker.foreign_peers` lists it). The DHT is open to anyone: every record is
 parsed strictly and a malformed one is skipped, never trusted.
 
 :func:`aggregate_progress` turns the records into a :class:`GlobalTrainingProgress`; it is a pure
@@ -62,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 MAX_COUNT = 2**62  # epochs and sample counts above this are absurd: such a record is malformed
 RECORD_FIELDS = 6
+AUXILIARY_RECORD_FIELDS = 8  # the record of an auxiliary peer: a fingerprint (or None), then True
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58
 _OWNER_SUBKEY = re.compile(rb"\[owner:(.+)\]", re.DOTALL)  # RSASignatureValidator.PUBLIC_KEY_FORMAT, whole subkey
 _POLL_SECONDS = 0.1  # how often a wait on the DHT checks whether the tracker is shutting down
@@ -79,6 +82,7 @@ class LocalTrainingProgress:
     time: float  # DHT time of the report
     client_mode: bool
     fingerprint: RunFingerprint | None = None  # the peer's run settings (None: an older peer, unchecked)
+    auxiliary: bool = False  # an auxiliary peer: it helps average but brings no gradients
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,13 @@ class GlobalTrainingProgress:
     eta_next_epoch: float  # DHT time at which the swarm is expected to reach target_batch_size
     next_fetch_time: float  # DHT time at which the tracker reads the records again
     samples_per_second: float = 0.0  # the live peers' speeds, summed (not in hivemind's record of this name)
+    num_auxiliary: int = 0  # auxiliary peers among num_peers
+
+    @property
+    def num_trainers(self) -> int:
+        """The peers that bring gradients (client-mode ones included, auxiliary ones not): the ones a
+        trainer averages with, and what decides whether a round can average anything at all."""
+        return self.num_peers - self.num_auxiliary
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,15 +210,23 @@ def progress_value(progress: LocalTrainingProgress) -> list[Any]:
         float(progress.samples_per_second),
         float(progress.time),
         progress.client_mode,
-        *([progress.fingerprint.to_wire()] if progress.fingerprint is not None else []),
+        *([_fingerprint_wire(progress.fingerprint)] if progress.fingerprint is not None or progress.auxiliary else []),
+        *([True] if progress.auxiliary else []),
     ]
+
+
+def _fingerprint_wire(fingerprint: RunFingerprint | None) -> Any:
+    return fingerprint.to_wire() if fingerprint is not None else None
 
 
 def parse_progress_value(value: Any) -> LocalTrainingProgress:
     """One record's value; raises :class:`ProtocolError` if anything in it is malformed."""
-    if not isinstance(value, list | tuple) or len(value) not in (RECORD_FIELDS, RECORD_FIELDS + 1):
-        raise ProtocolError(f"a progress record must be a list of {RECORD_FIELDS} or {RECORD_FIELDS + 1} fields")
+    if not isinstance(value, list | tuple) or not RECORD_FIELDS <= len(value) <= AUXILIARY_RECORD_FIELDS:
+        raise ProtocolError(f"a progress record must be a list of {RECORD_FIELDS} to {AUXILIARY_RECORD_FIELDS} fields")
     peer_id, epoch, samples, speed, report_time, client_mode = value[:RECORD_FIELDS]
+    auxiliary = len(value) == AUXILIARY_RECORD_FIELDS
+    if auxiliary and value[RECORD_FIELDS + 1] is not True:
+        raise ProtocolError("the 8th field of a progress record, if present, must be True (an auxiliary peer)")
     if not isinstance(peer_id, str) or not _PEER_ID.fullmatch(peer_id):
         raise ProtocolError("peer_id must be a base58 string")
     if type(epoch) is not int or not 0 <= epoch <= MAX_COUNT:
@@ -220,8 +239,11 @@ def parse_progress_value(value: Any) -> LocalTrainingProgress:
         raise ProtocolError("time must be a finite number")
     if not isinstance(client_mode, bool):
         raise ProtocolError("client_mode must be a bool")
-    fingerprint = RunFingerprint.from_wire(value[RECORD_FIELDS]) if len(value) > RECORD_FIELDS else None
-    return LocalTrainingProgress(peer_id, epoch, samples, float(speed), float(report_time), client_mode, fingerprint)
+    wired = value[RECORD_FIELDS] if len(value) > RECORD_FIELDS else None
+    fingerprint = RunFingerprint.from_wire(wired) if wired is not None else None
+    return LocalTrainingProgress(
+        peer_id, epoch, samples, float(speed), float(report_time), client_mode, fingerprint, auxiliary
+    )
 
 
 def split_by_fingerprint(
@@ -353,6 +375,7 @@ def aggregate_progress(
         eta_next_epoch=now + seconds_to_epoch,
         next_fetch_time=now + seconds_to_fetch,
         samples_per_second=total_speed,
+        num_auxiliary=sum(1 for peer in peers if peer.auxiliary),
     )
 
 
@@ -488,6 +511,9 @@ class ProgressTracker:
     returns promptly. With ``start=True`` the constructor reads the swarm's progress once (waiting
     at most the request timeout), so :attr:`global_progress` is meaningful from the start;
     :meth:`start` alone does not wait.
+
+    Beyond hivemind's arguments: ``auxiliary=True`` marks this peer's record as an auxiliary peer's
+    (see :attr:`GlobalTrainingProgress.num_trainers`).
     """
 
     def __init__(
@@ -497,6 +523,7 @@ class ProgressTracker:
         target_batch_size: int,
         *,
         client_mode: bool | None = None,
+        auxiliary: bool = False,
         min_refresh_period: float = 0.5,
         max_refresh_period: float = 10.0,
         default_refresh_period: float = 3.0,
@@ -524,6 +551,7 @@ class ProgressTracker:
         )
         self.dht, self.prefix, self.target_batch_size = dht, prefix, target_batch_size
         self.client_mode = dht.client_mode if client_mode is None else client_mode
+        self.auxiliary = bool(auxiliary)  # published with the record: trainers do not count it as one of them
         self.training_progress_key = self.config.training_progress_key
         self.fingerprint = fingerprint  # this peer's run settings, published with its record
         self._runtime = PeerRuntime.acquire(dht)  # released by shutdown(), or below if construction fails
@@ -548,7 +576,7 @@ class ProgressTracker:
         self._lock = threading.Lock()  # guards every field below that the thread and the callers share
         self._speed = SpeedEstimate(performance_ema_alpha)
         self._local = LocalTrainingProgress(
-            dht.peer_id.to_base58(), 0, 0, 0.0, get_dht_time(), self.client_mode, self.fingerprint
+            dht.peer_id.to_base58(), 0, 0, 0.0, get_dht_time(), self.client_mode, self.fingerprint, self.auxiliary
         )
         self._records: list[LocalTrainingProgress] = []  # the other peers' records of this run, as last fetched
         self._foreign: list[LocalTrainingProgress] = []  # those whose fingerprint differs from the swarm's
@@ -867,7 +895,14 @@ class ProgressTracker:
     def _set_local(self, epoch: int, samples: int, update_global_samples: bool) -> None:
         now = get_dht_time()
         self._local = LocalTrainingProgress(
-            self._local.peer_id, epoch, samples, self._speed.samples_per_second, now, self.client_mode, self.fingerprint
+            self._local.peer_id,
+            epoch,
+            samples,
+            self._speed.samples_per_second,
+            now,
+            self.client_mode,
+            self.fingerprint,
+            self.auxiliary,
         )
         if update_global_samples:
             fresh = self._aggregate(now)

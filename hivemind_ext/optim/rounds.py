@@ -120,8 +120,10 @@ def round_outcome(control: StepControl, error: BaseException | None, waited: flo
 
 
 def expected_group_size(last_group_size: int | None, peers_seen: int) -> int | None:
-    """The larger of the last round's group and the peers the tracker sees; None below 2 (no one
-    to wait for: the round forms at its scheduled time with whoever is looking)."""
+    """The larger of the last round's contributing members and the trainers the tracker sees; None
+    below 2 (no one to wait for: the round forms at its scheduled time with whoever is looking).
+    Auxiliary peers never count: they join a round only when they find it (matchmaking compares this
+    number with the contributing peers that are looking), so a trainer never waits for one."""
     expected = max(last_group_size or 0, peers_seen)
     return expected if expected >= 2 else None
 
@@ -260,7 +262,8 @@ class RoundDriver:
 
     @property
     def peers_seen(self) -> int:
-        return int(self.tracker.global_progress.num_peers)
+        """The trainers the tracker sees (this one included); auxiliary peers bring nothing to average."""
+        return int(self.tracker.global_progress.num_trainers)
 
     def plan(
         self, *, eta: float | None = None, last_group_size: int | None = None, expect_peers: bool = True

@@ -69,10 +69,13 @@ class MatchmakingConfig:
     :param bandwidth: declared to the group for load balancing; ``None``: the group's mean.
     :param group_bits: this peer's group bits (hivemind's ``initial_group_bits``): peers only group with
         peers of the same :attr:`group_key`, the prefix plus these bits (see :mod:`.group_key`).
-    :param expected_group_size: with ``target_group_size=None``, how many peers this one expects
-        (e.g. the live peers of a training run): as soon as that many are looking, they form one
-        group at once instead of waiting for the scheduled time. A hint: a wrong value only delays
-        or hastens the group, the leader's seal keeps members consistent.
+    :param expected_group_size: with ``target_group_size=None``, how many contributing (not
+        auxiliary) peers this one expects (e.g. the trainers of a training run): as soon as that many
+        are looking, they form one group at once, with the auxiliary peers that are looking too,
+        instead of waiting for the scheduled time. Auxiliary peers do not count, so a peer never waits
+        for one (an auxiliary peer may decide not to join) nor forms a group without an expected
+        contributor because an auxiliary peer took its place. A hint: a wrong value only delays or
+        hastens the group, the leader's seal keeps members consistent.
     :param fingerprint: the run's fingerprint digest (see ``hivemind_ext.optim.fingerprint``): this
         peer only groups with peers that declare the same one (or none, as auxiliary peers do), so a
         peer of another model or other settings never joins, nor delays, a group. Empty: no check.
@@ -284,8 +287,10 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
         chosen = ranked[: min(count, groups * target)]
     else:
         expected = config.expected_group_size
-        if config.target_group_size is None and expected is not None and count >= max(expected, config.min_group_size):
-            return [tuple(sorted(ranked, key=_member_order))]  # everyone expected is here: one group, now
+        contributing = sum(not d.member.auxiliary for d in ranked)
+        if config.target_group_size is None and expected is not None and contributing >= expected:
+            if count >= config.min_group_size:  # every expected contributor is here: one group, now
+                return [tuple(sorted(ranked, key=_member_order))]
         groups, rest = divmod(count, target)
         if config.target_group_size is None or 0 < rest < config.min_group_size:
             return []  # no group is full yet, or forming the full ones would strand the rest

@@ -272,4 +272,4 @@ class DiLoCoImpl(AlgorithmImpl):
         return int(self.phase[1].item())
 
     def _peers(self) -> int:
-        return int(self.context.tracker.global_progress.num_peers)
+        return int(self.context.tracker.global_progress.num_trainers)

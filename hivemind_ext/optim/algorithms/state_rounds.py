@@ -30,7 +30,7 @@ class StateRounds:
 
     def due(self, epoch: int) -> bool:
         """Whether to average the state on entering ``epoch`` (other peers train, and none is pending)."""
-        if self.context.tracker.global_progress.num_peers < 2 or epoch % self.context.config.average_state_every:
+        if self.context.tracker.global_progress.num_trainers < 2 or epoch % self.context.config.average_state_every:
             return False
         return not self.averager.has_round
 

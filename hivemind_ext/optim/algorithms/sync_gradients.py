@@ -198,10 +198,8 @@ class SyncGradientsImpl(AlgorithmImpl):
         # expect a group size only once a round had a group (as before the restructure): before it, the
         # tracker's count can be short (a peer whose progress record has not arrived yet), and peers that
         # expected that count formed the first round without the late one, which then missed it
-        averaged_before = report is not None and report.group_size >= 2
-        plan = self.context.rounds.plan(
-            eta=eta, last_group_size=report.group_size if report is not None else None, expect_peers=averaged_before
-        )
+        contributed = len({peer for part in report.contributors for peer in part}) if report is not None else 0
+        plan = self.context.rounds.plan(eta=eta, last_group_size=contributed or None, expect_peers=contributed >= 2)
         logger.log(
             self.context.status_loglevel, f"pre-scheduling the gradient round in {plan.scheduled_time - now:.2f} s"
         )
@@ -287,12 +285,13 @@ class SyncGradientsImpl(AlgorithmImpl):
         self.context.rounds.request_resync(missed=True)
 
     def _alone(self, control: StepControl | None) -> bool:
-        """No other peer reports progress and none started this round: a round could only time out."""
+        """No other trainer reports progress and none started this round: a round could only time out,
+        or average this peer's gradients with nothing (auxiliary peers bring none)."""
         tracker = self.context.tracker
-        if (control is not None and control.groupmate_started) or tracker.global_progress.num_peers > 1:
+        if (control is not None and control.groupmate_started) or tracker.global_progress.num_trainers > 1:
             return False
         try:  # the tracker's view may be a refresh period old (peers that just joined): confirm it
-            return tracker.fetch_now().num_peers <= 1
+            return tracker.fetch_now().num_trainers <= 1
         except HivemindExtError as e:
             logger.debug(f"could not refresh the swarm's progress ({e!r}): taking this peer as alone")
             return True
