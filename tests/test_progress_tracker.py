@@ -207,7 +207,7 @@ def test_auxiliary_peers_are_marked_in_their_record_and_not_counted_as_trainers(
     """Issue 11 item 4: trainers must count only each other, or a lone trainer averages with an
     auxiliary peer (nothing to average) instead of stepping alone."""
     aux = LocalTrainingProgress("QmAux", 1, 0, 0.0, NOW, False, auxiliary=True)
-    assert progress_value(aux) == ["QmAux", 1, 0, 0.0, NOW, False, True]
+    assert progress_value(aux) == ["QmAux", 1, 0, 0.0, NOW, False, None, True]  # no fingerprint, then the mark
     assert parse_progress_records([(OWNER, progress_value(aux), NOW + 1)], now=NOW) == [aux]
     progress = aggregate([aux, peer("B", 1, 10)], peer("A", 1, 5))
     assert (progress.num_peers, progress.num_auxiliary, progress.num_trainers) == (3, 1, 2)

@@ -181,9 +181,14 @@ def test_progress_records_carry_the_fingerprint_and_older_records_still_parse():
     assert len(value) == 7
     assert parse_progress_value(value) == record
     assert parse_progress_value(value[:6]).fingerprint is None
-    for broken in ({"fields": [["a"]], "complete": True}, {"fields": [["a", 1]], "complete": True}, [1, 2], None):
+    assert parse_progress_value([*value[:6], None]).fingerprint is None  # an auxiliary peer's record may have none
+    for broken in ({"fields": [["a"]], "complete": True}, {"fields": [["a", 1]], "complete": True}, [1, 2], "x"):
         with pytest.raises(ProtocolError):
             parse_progress_value([*value[:6], broken])
+    for not_a_mark in (False, 1, "True", None):  # an eighth item is only the auxiliary peers' True
+        with pytest.raises(ProtocolError):
+            parse_progress_value([*value, not_a_mark])
+    assert parse_progress_value([*value, True]).auxiliary
     with pytest.raises(ProtocolError):
         RunFingerprint.from_wire({"fields": [["a", "1"], ["a", "2"]], "complete": True})
     with pytest.raises(ProtocolError):
