@@ -49,7 +49,7 @@ def frames(text: str) -> list[re.Match[str]]:
 
 def test_status_counts_peers_by_role_and_describes_the_last_round() -> None:
     last = RoundOutcome(group_size=4, seconds=0.314, excluded={"QmPeer": "stalled"}, auxiliary=1)
-    status = progress_status(progress(), 2, last)
+    status = progress_status(progress(num_auxiliary=1), 2, last)
     assert (status.epoch, status.samples, status.target, status.peers) == (2, 100, 256, 4)
     assert (status.trainers, status.clients, status.auxiliary) == (2, 1, 1)
     assert status.postfix == "412.3 samples/s | peers 4: 2 trainers, 1 client, 1 aux | avg 4 peers -1 0.31s"

@@ -44,7 +44,7 @@ class ProgressStatus:
     samples_per_second: float  # the swarm's
     peers: int  # peers that publish progress, this one included
     clients: int  # of which in client mode
-    auxiliary: int  # members of the last round that contributed nothing (auxiliary peers)
+    auxiliary: int  # of which auxiliary peers (they help average, bring no gradients)
     last_round: str  # RoundOutcome.describe(short=True), or "no round yet"
 
     @property
@@ -61,7 +61,6 @@ class ProgressStatus:
 
 def progress_status(progress: GlobalTrainingProgress, local_epoch: int, last: RoundOutcome | None) -> ProgressStatus:
     """What the bar shows for the tracker's ``progress``, this peer's epoch and its ``last`` round."""
-    auxiliary = last.auxiliary if last is not None else 0
     return ProgressStatus(
         epoch=local_epoch,
         samples=progress.samples_accumulated,
@@ -69,7 +68,7 @@ def progress_status(progress: GlobalTrainingProgress, local_epoch: int, last: Ro
         samples_per_second=progress.samples_per_second,
         peers=progress.num_peers,
         clients=progress.num_clients,
-        auxiliary=min(auxiliary, max(0, progress.num_peers - progress.num_clients)),
+        auxiliary=progress.num_auxiliary,
         last_round=last.describe(short=True) if last is not None else "no round yet",
     )
 
