@@ -18,7 +18,10 @@ from typing import Any
 
 from hivemind_ext.demo.peer import PeerConfig, PeerStartError, train_peer
 
-INTERRUPT_GRACE = 1.0  # seconds peers get to leave after Ctrl-C before their process groups are killed
+# After Ctrl-C the peers' process groups (peer, DHT process, libp2p daemon) are killed at once: a clean
+# shutdown of a peer in the middle of a round takes seconds and makes hivemind's DHT process log the calls
+# it cut short, and nobody waits for the results of a run that was interrupted.
+INTERRUPT_GRACE = 0.0
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def _process_context() -> Any:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "hivemind", "hivemind_ext.optim", __name__])
+    context.set_forkserver_preload(["hivemind_ext.demo.forkserver_preload"])
     return context
 
 
