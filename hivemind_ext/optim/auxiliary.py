@@ -28,7 +28,7 @@ from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.errors import HivemindExtError
 from hivemind_ext.optim.config import averager_options
-from hivemind_ext.optim.keys import grad_prefix, progress_prefix
+from hivemind_ext.optim.keys import check_run_id, grad_prefix, progress_prefix
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.optim.rounds import next_epoch, plan_round, should_prepare_round
 
@@ -132,6 +132,7 @@ def run_auxiliary_peer(
     A status line (epoch, samples toward the target, peers, rounds helped) goes to ``on_status`` (default:
     this module's logger at INFO) when the swarm's epoch changes, and at least every ``status_interval`` s.
     """
+    check_run_id(run_id)
     stop = stop if stop is not None else threading.Event()
     report = on_status if on_status is not None else logger.info
     tracker = ProgressTracker(dht, progress_prefix(run_id), target_batch_size, start=True, **(tracker_opts or {}))

@@ -44,7 +44,7 @@ from hivemind_ext.optim.config import OptimizerConfig
 from hivemind_ext.optim.grad_averager import GradientAverager
 from hivemind_ext.optim.grad_scaler import BoundGradScaler, GradScaler
 from hivemind_ext.optim.keys import grad_prefix, progress_prefix, state_prefix
-from hivemind_ext.optim.param_groups import group_views
+from hivemind_ext.optim.param_groups import group_views, require_trainable
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.optim.rounds import RoundDriver, RoundHooks, next_epoch
 from hivemind_ext.optim.state_averager import TrainingStateAverager
@@ -159,6 +159,8 @@ class Optimizer(torch.optim.Optimizer):
             extra_tensors=extra_tensors,
             average_opt_statistics=average_opt_statistics,
         )
+        if not config.auxiliary:
+            require_trainable(self.state_manager.main_params)
         self._param_groups: list = []
         self._param_group_ids: list[int] = []
         # what torch.optim.Optimizer's own methods and hooks expect to find
