@@ -244,7 +244,7 @@ def test_ctrl_c_stops_a_training_swarm_within_seconds_and_leaves_no_process(comm
         sent = time.monotonic()
         assert swarm.wait(timeout=30) == 130, swarm.output
         took = time.monotonic() - sent
-        assert took < 3.0, f"Ctrl-C took {took:.1f} s"  # 0.2-0.9 s measured; 3.3-9.2 s before
+        assert took < 4.0, f"Ctrl-C took {took:.1f} s"  # 0.2-0.9 s measured here; 3.3-9.2 s before
         give_up = time.monotonic() + 20  # the fork server and multiprocessing's tracker exit on their own
         while (left := swarm.session_processes()) and time.monotonic() < give_up:
             time.sleep(0.2)
