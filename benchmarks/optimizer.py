@@ -1,7 +1,7 @@
 """Collaborative training time: hivemind_ext.Optimizer next to hivemind.Optimizer, the same swarm in the same run.
 
 For each implementation, a swarm of peer processes on 127.0.0.1 (default 8, of which 3 in client
-mode) trains the digits MLP of ``examples/digits_swarm.py`` (scikit-learn's bundled digits, one train
+mode) trains the digits MLP of ``hivemind_ext/demo`` (``hivemind-ext train``) (scikit-learn's bundled digits, one train
 shard per peer) with ``target_batch_size`` 128 until the global epoch reaches E. Peers are uneven on
 purpose: each step draws its batch size from 4..16 and sleeps 5..50 ms on top of the real work (a
 stand-in for a bigger model on mixed hardware), seeded, so both implementations see the same peers.
@@ -33,17 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from common import Result, describe_machine, emit, higher_is_better, lower_is_better
-from digits_swarm import (
-    OPTIMIZERS,
-    PeerConfig,
-    ProgressDisplay,
-    load_data,
-    optimizer_class,
-    run_local_swarm,
-    swarm_configs,
-)
+
+from hivemind_ext.demo.data import load_data
+from hivemind_ext.demo.display import ProgressDisplay
+from hivemind_ext.demo.local_swarm import run_local_swarm
+from hivemind_ext.demo.peer import OPTIMIZERS, PeerConfig, optimizer_class, swarm_configs
 
 
 @dataclass

@@ -27,10 +27,10 @@ import time
 
 import hivemind
 import torch
-from digits_swarm import accuracy, load_data, make_model  # this example's folder: shared data and model
 
 import hivemind_ext
 from hivemind_ext.compression import Float16Compression
+from hivemind_ext.demo.data import accuracy, load_data, make_model  # the digits demo's data and model
 from hivemind_ext.optim.algorithms import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket
 
 

@@ -3,6 +3,9 @@
 ``hivemind-ext aux`` runs an auxiliary peer: a CPU-only helper with no model and no data that joins a
 run's gradient averaging rounds, reduces its share of the all-reduce and contributes nothing (weight 0).
 It stops cleanly on Ctrl-C (SIGINT) or SIGTERM, or after ``--max-rounds`` rounds.
+
+``hivemind-ext train`` and ``hivemind-ext join`` run the digits demo (:mod:`hivemind_ext.demo`): a
+swarm that prints the command to join it, and one peer that joins a swarm from another machine.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from hivemind_ext.demo import commands as demo
+from hivemind_ext.demo.options import OneLineErrorParser, check_args
 from hivemind_ext.monitoring.cli import add_monitor_parser, run_monitor
 
 DEFAULT_HOST_MADDRS = ["/ip4/0.0.0.0/tcp/0"]
@@ -35,12 +40,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hivemind-ext")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="hivemind-ext",
         description="Tools for hivemind_ext collaborative training runs.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_demo_commands(commands)
     aux = commands.add_parser(
         "aux",
         help="run an auxiliary peer that helps a run average gradients",
@@ -121,6 +137,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_demo_commands(commands: Any) -> None:
+    train = commands.add_parser(
+        "train",
+        help="train the digits demo: start a swarm (or its first peer) and print the command that joins it",
+        description=(
+            "Train a digit classifier with hivemind_ext.Optimizer: start --peers peer processes on this machine "
+            "(the first is the bootstrap) and print the command that joins the run from another terminal or "
+            'machine. Needs scikit-learn (pip install "hivemind-ext[examples]"). Ctrl-C stops every peer.'
+        ),
+        epilog="example: hivemind-ext train --peers 1 --host-maddrs /ip4/0.0.0.0/tcp/45555 --epochs 200",
+    )
+    demo.add_train_arguments(train)
+    train.set_defaults(handler=lambda args: demo.start(check_args(train, args), join_prefix=["hivemind-ext", "join"]))
+    join = commands.add_parser(
+        "join",
+        help="join a digits demo run as one more peer (from another machine: pass --initial-peers)",
+        description=(
+            "Join a run of the digits demo as one peer: download the current model from the swarm and train "
+            "until it reaches --epochs. Use the command that `hivemind-ext train` prints: every setting that "
+            "must match is in it. Add --client-mode behind NAT."
+        ),
+    )
+    demo.add_join_arguments(join)
+    join.set_defaults(handler=lambda args: demo.start(check_args(join, args), join_prefix=()))
+
+
 def _print(line: str) -> None:
     print(line, flush=True)
 
@@ -189,10 +231,20 @@ def run_aux(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The console script; after Ctrl-C of ``train`` / ``join`` the process ends at once (see ``exit_now``)."""
+    code = run(argv)
+    if code == demo.EXIT_INTERRUPTED and argv is None:
+        demo.exit_now(code)
+    return code
+
+
+def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
     if args.command == "monitor":
         return run_monitor(args)
+    if args.command in ("train", "join"):
+        return args.handler(args)
     if args.command == "aux":
         try:
             return run_aux(args)

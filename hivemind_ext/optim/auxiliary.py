@@ -35,7 +35,7 @@ from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.errors import HivemindExtError
 from hivemind_ext.optim.config import averager_options
 from hivemind_ext.optim.fingerprint import auxiliary_fingerprint
-from hivemind_ext.optim.keys import grad_prefix, progress_prefix
+from hivemind_ext.optim.keys import check_run_id, grad_prefix, progress_prefix
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.optim.rounds import (
     SEARCHING,
@@ -169,6 +169,7 @@ def run_auxiliary_peer(
       before each round; the peer leaves the swarm first). ``alone_hint`` is logged once if no other
       peer shows up for a while.
     """
+    check_run_id(run_id)
     stop = stop if stop is not None else threading.Event()
     report = on_status if on_status is not None else logger.info
     tracker_opts = {"fingerprint": auxiliary_fingerprint(target_batch_size), **(tracker_opts or {})}

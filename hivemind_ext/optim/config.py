@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.optim.keys import check_run_id
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,10 +86,7 @@ class OptimizerConfig:
         self._check_combinations()
 
     def _check_types(self) -> None:
-        if not isinstance(self.run_id, str) or not self.run_id or len(self.run_id) > 256:
-            raise ConfigurationError(
-                f"run_id must be a non-empty string of at most 256 characters, got {self.run_id!r}"
-            )
+        check_run_id(self.run_id)
         _positive_int("target_batch_size", self.target_batch_size)
         if self.batch_size_per_step is not None:
             _positive_int("batch_size_per_step", self.batch_size_per_step)

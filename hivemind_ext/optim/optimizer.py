@@ -47,7 +47,7 @@ from hivemind_ext.optim.fingerprint import auxiliary_fingerprint, trainer_finger
 from hivemind_ext.optim.grad_averager import GradientAverager
 from hivemind_ext.optim.grad_scaler import BoundGradScaler, GradScaler
 from hivemind_ext.optim.keys import grad_prefix, progress_prefix, state_prefix
-from hivemind_ext.optim.param_groups import group_views
+from hivemind_ext.optim.param_groups import group_views, require_trainable
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.optim.progress_bar import make_progress_bar
 from hivemind_ext.optim.rounds import RoundDriver, RoundHooks, next_epoch
@@ -174,6 +174,8 @@ class Optimizer(torch.optim.Optimizer):
             extra_tensors=extra_tensors,
             average_opt_statistics=average_opt_statistics,
         )
+        if not config.auxiliary:
+            require_trainable(self.state_manager.main_params)
         #: what must match on every peer of the run (see hivemind_ext.optim.fingerprint)
         self.fingerprint = (
             auxiliary_fingerprint(target_batch_size)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from hivemind_ext.errors import ConfigurationError
+
 
 class ParamGroupView(MutableMapping):
     def __init__(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
@@ -50,3 +52,12 @@ def group_views(optimizer: torch.optim.Optimizer, main_params: list[torch.Tensor
         views.append(ParamGroupView(group, main_params[start : start + count]))
         start += count
     return views
+
+
+def require_trainable(params: list[torch.Tensor]) -> None:
+    """A trainer whose parameters are all frozen would average and step nothing, silently: refuse it."""
+    if not any(param.requires_grad for param in params):
+        raise ConfigurationError(
+            f"none of the {len(params)} parameters requires grad (is the whole model frozen?): pass the "
+            "parameters to train, or set requires_grad=True on at least one"
+        )

@@ -330,13 +330,21 @@ async def readinto(reader: asyncio.StreamReader, view: memoryview) -> int:
 
 
 PROTOCOL_PREFIX = "/hivemind_ext"
+MAX_NAMESPACE_LENGTH = 200  # of a namespace or handler name in a protocol id
 
 
 def protocol_name(namespace: str, name: str) -> str:
     """The libp2p protocol id under which handler ``name`` of ``namespace`` is served."""
     for what, value in (("namespace", namespace), ("handler name", name)):
-        if not isinstance(value, str) or not 1 <= len(value) <= 200 or not value.isprintable() or " " in value:
-            raise ConfigurationError(f"{what} must be 1-200 printable characters without spaces, got {value!r:.100}")
+        if (
+            not isinstance(value, str)
+            or not 1 <= len(value) <= MAX_NAMESPACE_LENGTH
+            or not value.isprintable()
+            or " " in value
+        ):
+            raise ConfigurationError(
+                f"{what} must be 1-{MAX_NAMESPACE_LENGTH} printable characters without spaces, got {value!r:.100}"
+            )
     return f"{PROTOCOL_PREFIX}/{namespace}/{name}"
 
 
