@@ -243,7 +243,7 @@ class _Swarm:
 
     def __init__(self) -> None:
         self.hooks = _FailEveryRound()
-        tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3, epoch=0))
+        tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3, num_trainers=3, epoch=0))
         self.rounds = RoundDriver(
             tracker=tracker, matchmaking_time=0.5, averaging_timeout=5.0, local_epoch=lambda: 0, hooks=self.hooks
         )
