@@ -48,6 +48,7 @@ from hivemind_ext.errors import ConfigurationError, MessageTooLargeError, PeerUn
 from hivemind_ext.p2p.deadlines import wait_until
 from hivemind_ext.p2p.direct_transport import DirectStream
 from hivemind_ext.p2p.messages import Limits
+from hivemind_ext.p2p.receive_budget import ReceiveAccount
 
 # What frames are read from: a libp2p stream's StreamReader, or the direct path's TCP stream.
 ByteReader = asyncio.StreamReader | DirectStream
@@ -63,6 +64,11 @@ WRITE_CHUNK_BYTES = 1024 * 1024
 # Upper bound on one read() from the StreamReader while filling a payload; read() returns what is
 # buffered, so this only caps the size of the temporary bytes object.
 READ_CHUNK_BYTES = 4 * 1024 * 1024
+# A payload's buffer starts at this size (or the payload's, if smaller: allocated at once, pooled)
+# and grows by GROWTH_FACTOR whenever it is full: what a stalled sender costs is bounded by what it
+# sent, never by what it announced. At 4, the copies on growth add at most a third of a large payload.
+EAGER_PAYLOAD_BYTES = 4 * 1024 * 1024
+GROWTH_FACTOR = 4
 # Payloads up to this size are sent in the same write() as the prefix and header.
 COALESCE_BYTES = 16 * 1024
 
@@ -169,17 +175,24 @@ def write_frame_nowait(writer: asyncio.StreamWriter, kind: FrameKind, header: Ma
     writer.write(encode_frame_head(kind, header, 0, Limits()))
 
 
-async def read_frame(reader: ByteReader, *, limits: Limits, deadline: float) -> Frame:
+async def read_frame(
+    reader: ByteReader, *, limits: Limits, deadline: float, account: ReceiveAccount | None = None
+) -> Frame:
     """Reads one frame, or raises at ``deadline``.
 
     Raises :class:`PeerUnreachableError` if the stream ends cleanly before the frame starts,
-    :class:`ProtocolError` if it is malformed or cut short, :class:`MessageTooLargeError` if it
-    declares more than ``limits`` allow (before allocating).
+    :class:`ProtocolError` if it is malformed, cut short or stalls for ``limits.idle_timeout``
+    inside the frame, :class:`MessageTooLargeError` if it declares more than ``limits`` allow
+    (before allocating) or the sender's ``account`` is over its budget.
     """
-    return await wait_until(_read_frame(reader, limits), deadline, "reading a frame")
+    account = account if account is not None else ReceiveAccount()
+    try:
+        return await wait_until(_read_frame(reader, limits, account), deadline, "reading a frame")
+    finally:
+        account.release()
 
 
-async def _read_frame(reader: ByteReader, limits: Limits) -> Frame:
+async def _read_frame(reader: ByteReader, limits: Limits, account: ReceiveAccount) -> Frame:
     try:
         prefix = await reader.readexactly(PREFIX_BYTES)
     except asyncio.IncompleteReadError as e:
@@ -189,14 +202,68 @@ async def _read_frame(reader: ByteReader, limits: Limits) -> Frame:
     except (ConnectionError, OSError) as e:
         raise PeerUnreachableError(f"stream broke while reading: {type(e).__name__}: {e}") from e
     kind, header_nbytes, payload_nbytes = decode_prefix(prefix, limits)
+    progress = _Progress(reader)
+    watchdog = _IdleWatchdog(limits.idle_timeout, progress)
     try:
-        header = unpack_header(await reader.readexactly(header_nbytes))
-        payload = await _read_payload(reader, payload_nbytes)
+        async with asyncio.timeout(None) as timeout:
+            watchdog.start(timeout)
+            header = unpack_header(await reader.readexactly(header_nbytes))
+            payload = await _read_payload(reader, payload_nbytes, account, progress)
+    except TimeoutError:
+        if not watchdog.fired:
+            raise
+        raise ProtocolError(f"the peer sent nothing for {limits.idle_timeout} s inside a frame") from None
     except asyncio.IncompleteReadError as e:
         raise ProtocolError(f"stream ended inside a frame header ({len(e.partial)} of {header_nbytes} bytes)") from None
     except (ConnectionError, OSError) as e:
         raise PeerUnreachableError(f"stream broke while reading: {type(e).__name__}: {e}") from e
+    finally:
+        watchdog.stop()
     return Frame(kind, header, payload)
+
+
+class _Progress:
+    """Counts the bytes a frame has received so far, for the idle watchdog."""
+
+    def __init__(self, reader: ByteReader) -> None:
+        self.reader = reader
+        self.filled = 0  # payload bytes copied out of a StreamReader (a DirectStream counts its own)
+
+    def __call__(self) -> int:
+        reader = self.reader
+        return reader.bytes_received if isinstance(reader, DirectStream) else self.filled
+
+
+class _IdleWatchdog:
+    """Expires an ``asyncio.timeout`` once ``progress()`` has not moved for ``seconds`` (one timer
+    per ``seconds``, not per read, so it costs nothing on a busy stream)."""
+
+    def __init__(self, seconds: float, progress: _Progress) -> None:
+        self.seconds, self.progress = seconds, progress
+        self.fired = False
+        self._timeout: asyncio.Timeout | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._last = -1
+
+    def start(self, timeout: asyncio.Timeout) -> None:
+        self._timeout, self._last = timeout, self.progress()
+        self._handle = asyncio.get_running_loop().call_later(self.seconds, self._check)
+
+    def _check(self) -> None:
+        if self._timeout is None:
+            return
+        current = self.progress()
+        if current == self._last:
+            self.fired = True
+            self._timeout.reschedule(asyncio.get_running_loop().time())
+            return
+        self._last = current
+        self._handle = asyncio.get_running_loop().call_later(self.seconds, self._check)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = self._timeout = None
 
 
 def _references(bucket: list[bytearray], index: int) -> int:
@@ -276,23 +343,77 @@ class ReceiveBuffers:
 RECEIVE_BUFFERS = ReceiveBuffers(max_bytes=128 * 1024 * 1024, min_bytes=128 * 1024)
 
 
-async def _read_payload(reader: ByteReader, nbytes: int) -> bytearray:
-    """Fills one preallocated buffer from the stream (readinto-style; no growing, no joining)."""
-    payload = RECEIVE_BUFFERS.take(nbytes)
-    view = memoryview(payload)
-    if isinstance(reader, DirectStream):  # the kernel writes the payload straight into ``view``
+async def _read_payload(reader: ByteReader, nbytes: int, account: ReceiveAccount, progress: _Progress) -> bytearray:
+    """The payload, in a buffer that grows as its bytes arrive (never from the announced size alone).
+
+    Payloads up to ``EAGER_PAYLOAD_BYTES`` are read into one buffer taken at once (from the pool);
+    larger ones start with that much and grow by ``GROWTH_FACTOR`` each time the buffer is full,
+    so a sender that stalls holds at most ``GROWTH_FACTOR`` times what it sent (or the first step).
+    Every allocation is charged to ``account`` first. On failure, nothing that the error's
+    traceback keeps alive references the buffer (see :func:`_forget_frames`).
+    """
+    buffer: bytearray | None = None
+    try:
+        capacity = min(nbytes, EAGER_PAYLOAD_BYTES)
+        account.charge(capacity)
+        buffer = RECEIVE_BUFFERS.take(capacity)
+        filled = 0
+        while True:
+            await _fill(reader, buffer, filled, capacity, progress)
+            filled = capacity
+            if filled == nbytes:
+                return buffer
+            capacity = min(nbytes, capacity * GROWTH_FACTOR)
+            account.charge(capacity)
+            grown = RECEIVE_BUFFERS.take(capacity) if capacity == nbytes else bytearray(capacity)
+            grown[:filled] = buffer
+            buffer, grown = grown, None  # the old buffer is freed (or back in the pool) here
+            account.release(filled)
+    except BaseException as error:
+        buffer = None  # this frame stays referenced from the traceback: it must not hold the payload
+        _forget_frames(error)
+        raise
+
+
+async def _fill(reader: ByteReader, buffer: bytearray, start: int, stop: int, progress: _Progress) -> None:
+    """Fills ``buffer[start:stop]`` from the stream."""
+    with memoryview(buffer) as whole:
+        view = whole[start:stop]
         try:
-            await reader.readexactly_into(view)
-        except asyncio.IncompleteReadError:
-            raise ProtocolError(f"stream ended inside a payload of {nbytes} bytes") from None
-        return payload
-    filled = 0
-    while filled < nbytes:
-        received = await readinto(reader, view[filled:])
-        if not received:
-            raise ProtocolError(f"stream ended inside a payload ({filled} of {nbytes} bytes)")
-        filled += received
-    return payload
+            if isinstance(reader, DirectStream):  # the kernel writes the payload straight into ``view``
+                try:
+                    await reader.readexactly_into(view)
+                except asyncio.IncompleteReadError:
+                    raise ProtocolError(f"stream ended inside a payload at byte {start} or later") from None
+                return
+            filled = 0
+            while filled < view.nbytes:
+                received = await readinto(reader, view[filled:])
+                if not received:
+                    raise ProtocolError(f"stream ended inside a payload ({start + filled} bytes in)")
+                filled += received
+                progress.filled += received
+        finally:
+            view.release()
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Drops the tracebacks of ``error`` and of the errors it chains to.
+
+    A failed read's frames hold views of its payload buffer; an error kept anywhere (a request
+    stream remembers its error, and a frame of its own traceback often references it back: a
+    reference cycle) would keep them, and the buffer, alive until the cycle collector runs. The
+    messages say what went wrong; the frames below the payload reader add nothing for the caller.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [current.__cause__, current.__context__]
 
 
 # asyncio.StreamReader.read(n) returns ``bytes(self._buffer[:n])``: two copies (a bytearray slice,

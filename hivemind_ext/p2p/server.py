@@ -34,6 +34,7 @@ from hivemind_ext.p2p.direct_wire import (
 )
 from hivemind_ext.p2p.framing import protocol_name
 from hivemind_ext.p2p.messages import Limits, Message
+from hivemind_ext.p2p.receive_budget import ReceiveBudget
 from hivemind_ext.p2p.serving import (
     HandlerConfig,
     Route,
@@ -84,6 +85,8 @@ class RPCServer:
         self._pending_hellos = 0
         self._scopes: dict[str, RPCServer] = {}  # namespace -> open scope (see scope())
         self._parent: RPCServer | None = None
+        # bytes of incomplete payloads per caller, shared with this server's scopes (see receive_budget)
+        self.receive_budget = ReceiveBudget()
 
     @property
     def handlers(self) -> tuple[str, ...]:
@@ -109,6 +112,7 @@ class RPCServer:
             raise ConfigurationError(f"namespace {namespace!r} is already served on this peer")
         child = RPCServer(self.p2p, namespace, config=config)
         child._parent = self
+        child.receive_budget = self.receive_budget
         self._scopes[namespace] = child
         return child
 
@@ -263,7 +267,8 @@ class RPCServer:
         """One incoming libp2p stream, from adoption by this server to close; never raises but
         CancelledError (asyncio's stream server, which started this task, would only log it)."""
         if self._adopt_current_task(writer):
-            await self._serve_adopted(route, info.peer_id, FramedStream(reader, writer, route.config.limits), "libp2p")
+            stream = FramedStream(reader, writer, route.config.limits, self.receive_budget.account(info.peer_id))
+            await self._serve_adopted(route, info.peer_id, stream, "libp2p")
 
     def _adopt_current_task(self, writer: asyncio.StreamWriter) -> bool:
         """Makes this server own the connection's task (so that shutdown() cancels and awaits it)."""
@@ -310,7 +315,8 @@ class RPCServer:
             FramedStream(reader, writer, Limits()).close()  # flushes the REJECTED byte, aborts if stuck
             return
         route, peer_id = accepted
-        await self._serve_adopted(route, peer_id, FramedStream(reader, writer, route.config.limits), "direct")
+        stream = FramedStream(reader, writer, route.config.limits, self.receive_budget.account(peer_id))
+        await self._serve_adopted(route, peer_id, stream, "direct")
 
     async def _accept_hello(
         self, reader: DirectStream, writer: asyncio.StreamWriter, tickets: TicketBook
