@@ -342,9 +342,14 @@ class RPCServer:
         self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Literal["libp2p", "direct"]
     ) -> None:
         route.active_calls += 1
+        route.calls_per_peer[peer_id] += 1
         try:
             if route.active_calls > route.config.max_concurrent_calls:
                 busy = ClosedError(f"{route.name} is serving {route.config.max_concurrent_calls} calls already")
+                report(stream, ErrorKind.UNAVAILABLE, busy)
+            elif route.calls_per_peer[peer_id] > route.config.max_calls_per_peer:
+                limit = route.config.max_calls_per_peer
+                busy = ClosedError(f"{route.name} is serving {limit} calls of {peer_id} already")
                 report(stream, ErrorKind.UNAVAILABLE, busy)
             else:
                 await serve_call(route, peer_id, stream, transport)
@@ -356,4 +361,7 @@ class RPCServer:
             logger.exception(f"unexpected failure serving {route.protocol} to {peer_id}")
         finally:
             route.active_calls -= 1
+            route.calls_per_peer[peer_id] -= 1
+            if route.calls_per_peer[peer_id] <= 0:
+                del route.calls_per_peer[peer_id]
             stream.close()
