@@ -88,6 +88,7 @@ import collections
 import concurrent.futures
 import logging
 import math
+import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -144,7 +145,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_ROUND_WAIT_TIMEOUT = 5.0
 FIRST_MESSAGE_TIMEOUT = 10.0
 MAX_ROUND_SECONDS = 3600.0  # the handler serves one stream for at most this long
-REFUSAL_DELAY = 0.5  # a stream refused a wait for its round is answered after this long
+REFUSAL_DELAY = 0.5  # a stream refused a wait for its round is answered after 1-2x this long
 FINISHED_GROUPS_KEPT = 256
 
 __all__ = [
@@ -374,7 +375,8 @@ class AllreduceService:
         if ticket is None:
             # answered late, so that a requester that reopens at once costs little (its stream holds
             # one of its own call slots meanwhile, see HandlerConfig.max_calls_per_peer)
-            await asyncio.sleep(max(0.0, min(REFUSAL_DELAY, deadline - now())))
+            delay = REFUSAL_DELAY * (1.0 + random.random())  # jittered: refused floods do not come back in step
+            await asyncio.sleep(max(0.0, min(delay, deadline - now())))
             raise ProtocolError("too many streams from this peer for rounds that have not started here")
         try:
             return await self._wait_for_round(group_id, deadline)
