@@ -57,6 +57,9 @@ LINGER_SECONDS = 2.0
 TICKET_HANDLER_CONFIG = HandlerConfig(
     limits=Limits(max_header_bytes=4096, max_payload_bytes=0), max_timeout=30.0, max_concurrent_calls=64
 )
+# A call over its peer's share (HandlerConfig.max_calls_per_peer) is refused after this long; one
+# beyond twice that share is dropped at once.
+BUSY_REFUSAL_DELAY = 1.0
 SHUTDOWN_MIN_WAIT = 1.0  # cancelled calls get at least this long to finish, even if removal used up the timeout
 
 
@@ -349,6 +352,11 @@ class RPCServer:
                 report(stream, ErrorKind.UNAVAILABLE, busy)
             elif route.calls_per_peer[peer_id] > route.config.max_calls_per_peer:
                 limit = route.config.max_calls_per_peer
+                if route.calls_per_peer[peer_id] > 2 * limit:
+                    stream.abort()  # far over its share: the cheapest answer
+                    return
+                # answered late, so that a caller that reopens at once does not spin on refusals
+                await asyncio.sleep(BUSY_REFUSAL_DELAY)
                 busy = ClosedError(f"{route.name} is serving {limit} calls of {peer_id} already")
                 report(stream, ErrorKind.UNAVAILABLE, busy)
             else:
