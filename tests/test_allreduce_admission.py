@@ -22,6 +22,8 @@ import pytest
 from allreduce_swarm import NAMESPACE, check_round, config, group_of, make_tensors, run_round, swarm_fixtures
 
 from hivemind_ext.averaging.allreduce.admission import AdmissionConfig, EarlyAdmission
+from hivemind_ext.averaging.matchmaking.group import Board, Commit, Declaration, Member, SealedGroup
+from hivemind_ext.averaging.matchmaking.listed import ListedPeers
 
 swarm, no_leftover_tasks = swarm_fixtures(4)
 
@@ -50,6 +52,23 @@ def test_outsiders_never_take_member_slots_and_are_rate_limited_per_peer() -> No
     assert admission.admit("x", now=0.0) is None  # the burst is spent: rate-limited though slots are free
     assert admission.admit("x", now=0.6) is not None  # 2 per second refill
     assert admission.refused >= 5
+
+
+def test_the_board_lists_declared_sealed_and_committed_peers_for_a_while() -> None:
+    declared = Member("declared", "a1", None, False, False)
+    sealed = Member("sealed", "a2", None, False, False)
+    board = Board(
+        declarations={declared.key: Declaration(declared, "run.0", declared_at=0.0, ready_at=1.0, deadline=5.0)},
+        sealed={"g": SealedGroup("g", (sealed,), commit_by=3.0)},
+        commits={"g": Commit("g", (("committed", "a3"),))},
+    )
+    listed = ListedPeers(ttl=60.0, max_peers=3)
+    listed.update(board, now=100.0)
+    assert all(listed.lists(name, 150.0) for name in ("declared", "sealed", "committed"))
+    assert not listed.lists("stranger", 150.0) and not listed.lists("declared", 161.0)  # forgotten after ttl
+    other = Member("newcomer", "a4", None, False, False)
+    listed.update(Board(declarations={other.key: Declaration(other, "run.1", 0.0, 1.0, 5.0)}), now=200.0)
+    assert len(listed) == 3 and listed.lists("newcomer", 200.0)  # the least recently seen went first
 
 
 async def timed_rounds(peers, count: int, seed: int) -> list[float]:
