@@ -22,10 +22,11 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from test_p2p import NAMESPACE, Peers, async_test, frame_bytes, open_frame, served
 
+from hivemind_ext.errors import MessageTooLargeError
 from hivemind_ext.p2p import DirectConfig, FrameKind, HandlerConfig, Limits, Message, framing, protocol_name
 from hivemind_ext.p2p.direct_transport import open_direct_connection
 from hivemind_ext.p2p.direct_wire import ACCEPTED, TICKET_HANDLER, encode_hello, parse_ticket_response
-from hivemind_ext.p2p.receive_budget import receiving_bytes
+from hivemind_ext.p2p.receive_budget import ReceiveBudget, receiving_bytes
 
 MB = 1024 * 1024
 ANNOUNCED = 63 * MB
@@ -191,3 +192,21 @@ async def test_a_stream_that_stalls_inside_a_frame_is_cut_off_after_the_idle_tim
         assert time.monotonic() - started < 8.0  # idle 1 s, then at most the server's linger (2 s)
         assert reader is not None and await asyncio.wait_for(reader.read(), 10) is not None
         writer.transport.abort()
+
+
+def test_a_peer_budget_admits_one_large_payload_and_caps_the_rest() -> None:
+    budget = ReceiveBudget(max_bytes_per_peer=10 * MB)
+    first, second, other = budget.account("a"), budget.account("a"), budget.account("b")
+    first.charge(40 * MB)  # its only payload in flight: admitted even above the cap
+    first.charge(8 * MB)  # the same stream growing is still its only one
+    with pytest.raises(MessageTooLargeError):
+        second.charge(1)  # a second stream of the same peer is over the cap
+    other.charge(10 * MB)  # other peers have their own budget
+    assert budget.held_bytes("a") == 48 * MB and second.held == 0
+    first.release(40 * MB)
+    second.charge(2 * MB)  # 8 + 2 <= 10
+    with pytest.raises(MessageTooLargeError):
+        second.charge(1 * MB)
+    for account in (first, second, other):
+        account.release()
+    assert budget.held_bytes("a") == budget.held_bytes("b") == 0
