@@ -314,6 +314,7 @@ class DecentralizedAverager:
         await self._service.start()
         dht_calls = runtime.dht_calls
         self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id, dht_calls=dht_calls)
+        self._service.admission.is_listed = self._matchmaker.lists  # members' early streams get reserved slots
         self._looking = asyncio.Lock()  # concurrent steps look for groups one after another
         self._loader = StateLoader(self.state_sharing_config, dht=self.dht, p2p=p2p, dht_calls=dht_calls)
         if not self.client_mode:  # a client-mode peer can never serve: it accepts no connections

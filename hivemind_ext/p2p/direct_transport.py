@@ -45,6 +45,7 @@ class DirectStream(asyncio.BufferedProtocol):
         self._staging = memoryview(bytearray(STAGING_BYTES))
         self._target: memoryview | None = None  # the buffer readexactly_into() is filling
         self._target_filled = 0
+        self.bytes_received = 0  # in all, for idle detection (see framing)
         self._waiter: asyncio.Future[None] | None = None
         self._eof = False
         self._exception: BaseException | None = None
@@ -67,6 +68,7 @@ class DirectStream(asyncio.BufferedProtocol):
         return self._staging
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
         if self._target is not None:
             self._target_filled += nbytes
             if self._target_filled >= self._target.nbytes:

@@ -22,10 +22,10 @@ END or ERROR frame; a caller that goes away simply closes the stream.
 
 The 16-byte prefix is read first and both lengths are checked against :class:`Limits` before a
 single byte is allocated for them, so a peer that declares a 2**63-byte payload costs nothing.
-The payload is then read straight into one preallocated ``bytearray``; large ones come from
-:data:`RECEIVE_BUFFERS`, which hands a buffer out again once nothing references it any more (a
-fresh multi-MiB buffer costs a page fault per 4 KiB: for an all-reduce round, as much CPU as the
-copy of the data itself). On the writing side the
+The payload's buffer then grows as its bytes arrive, charged to the sender's receive budget, and a
+frame whose bytes stop coming for ``Limits.idle_timeout`` is cut off (see
+:mod:`~hivemind_ext.p2p.payload`, :mod:`~hivemind_ext.p2p.receive_budget`, :mod:`~hivemind_ext.p2p.idle`).
+On the writing side the
 prefix and header go out as one small buffer and the payload is written from the caller's own
 memory in chunks, each followed by ``drain()`` so that the transport never buffers (copies) more
 than a bounded amount and every chunk is subject to the deadline.
@@ -37,8 +37,6 @@ import asyncio
 import dataclasses
 import enum
 import struct
-import sys
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,11 +44,12 @@ import msgpack
 
 from hivemind_ext.errors import ConfigurationError, MessageTooLargeError, PeerUnreachableError, ProtocolError
 from hivemind_ext.p2p.deadlines import wait_until
-from hivemind_ext.p2p.direct_transport import DirectStream
+from hivemind_ext.p2p.idle import unless_idle
 from hivemind_ext.p2p.messages import Limits
-
-# What frames are read from: a libp2p stream's StreamReader, or the direct path's TCP stream.
-ByteReader = asyncio.StreamReader | DirectStream
+from hivemind_ext.p2p.payload import RECEIVE_BUFFERS as RECEIVE_BUFFERS  # re-exported: tests clear the pool
+from hivemind_ext.p2p.payload import ByteReader, Progress, read_payload
+from hivemind_ext.p2p.payload import ReceiveBuffers as ReceiveBuffers
+from hivemind_ext.p2p.receive_budget import ReceiveAccount
 
 MAGIC = b"hx"
 VERSION = 1
@@ -60,9 +59,6 @@ PREFIX_BYTES = PREFIX.size  # 16
 # Payload bytes handed to the transport per write() before awaiting drain(): large enough that the
 # per-chunk Python overhead is negligible, small enough that the transport's copy stays bounded.
 WRITE_CHUNK_BYTES = 1024 * 1024
-# Upper bound on one read() from the StreamReader while filling a payload; read() returns what is
-# buffered, so this only caps the size of the temporary bytes object.
-READ_CHUNK_BYTES = 4 * 1024 * 1024
 # Payloads up to this size are sent in the same write() as the prefix and header.
 COALESCE_BYTES = 16 * 1024
 
@@ -169,17 +165,24 @@ def write_frame_nowait(writer: asyncio.StreamWriter, kind: FrameKind, header: Ma
     writer.write(encode_frame_head(kind, header, 0, Limits()))
 
 
-async def read_frame(reader: ByteReader, *, limits: Limits, deadline: float) -> Frame:
+async def read_frame(
+    reader: ByteReader, *, limits: Limits, deadline: float, account: ReceiveAccount | None = None
+) -> Frame:
     """Reads one frame, or raises at ``deadline``.
 
     Raises :class:`PeerUnreachableError` if the stream ends cleanly before the frame starts,
-    :class:`ProtocolError` if it is malformed or cut short, :class:`MessageTooLargeError` if it
-    declares more than ``limits`` allow (before allocating).
+    :class:`ProtocolError` if it is malformed, cut short or stalls for ``limits.idle_timeout``
+    inside the frame, :class:`MessageTooLargeError` if it declares more than ``limits`` allow
+    (before allocating) or the sender's ``account`` is over its budget.
     """
-    return await wait_until(_read_frame(reader, limits), deadline, "reading a frame")
+    account = account if account is not None else ReceiveAccount()
+    try:
+        return await wait_until(_read_frame(reader, limits, account), deadline, "reading a frame")
+    finally:
+        account.release()
 
 
-async def _read_frame(reader: ByteReader, limits: Limits) -> Frame:
+async def _read_frame(reader: ByteReader, limits: Limits, account: ReceiveAccount) -> Frame:
     try:
         prefix = await reader.readexactly(PREFIX_BYTES)
     except asyncio.IncompleteReadError as e:
@@ -189,144 +192,30 @@ async def _read_frame(reader: ByteReader, limits: Limits) -> Frame:
     except (ConnectionError, OSError) as e:
         raise PeerUnreachableError(f"stream broke while reading: {type(e).__name__}: {e}") from e
     kind, header_nbytes, payload_nbytes = decode_prefix(prefix, limits)
+    progress = Progress(reader)
     try:
-        header = unpack_header(await reader.readexactly(header_nbytes))
-        payload = await _read_payload(reader, payload_nbytes)
+        return await unless_idle(
+            _read_body(reader, kind, header_nbytes, payload_nbytes, account, progress),
+            limits.idle_timeout,
+            progress,
+            "inside a frame",
+        )
     except asyncio.IncompleteReadError as e:
         raise ProtocolError(f"stream ended inside a frame header ({len(e.partial)} of {header_nbytes} bytes)") from None
     except (ConnectionError, OSError) as e:
         raise PeerUnreachableError(f"stream broke while reading: {type(e).__name__}: {e}") from e
-    return Frame(kind, header, payload)
 
 
-def _references(bucket: list[bytearray], index: int) -> int:
-    return sys.getrefcount(bucket[index])
-
-
-# What _references() counts for a buffer that only the pool's list holds (the list's reference plus
-# the temporaries of the call), measured through the same code path, so it is right on any CPython.
-_UNREFERENCED = _references([bytearray(1)], 0)
-
-
-class ReceiveBuffers:
-    """Payload buffers of at least ``min_bytes`` (and at most a quarter of ``max_bytes``), reused.
-
-    A buffer handed out by :meth:`take` belongs to its receiver (messages, tensors that alias it)
-    for as long as anything references it; once nothing does, its reference count says so and it
-    is handed out again, already paged in and without being zeroed (:func:`_read_payload` fills it
-    completely before anyone sees it, or raises and drops it). The pool keeps at most ``max_bytes``
-    of buffers; beyond that, and for other sizes, :meth:`take` allocates as usual. Thread-safe:
-    several event loops of one process share it.
-    """
-
-    def __init__(self, max_bytes: int, min_bytes: int) -> None:
-        self.max_bytes, self.min_bytes = max_bytes, min_bytes
-        self._buckets: dict[int, list[bytearray]] = {}
-        self._held = 0  # bytes in all buckets
-        self._lock = threading.Lock()
-
-    @property
-    def held_bytes(self) -> int:
-        return self._held
-
-    def take(self, nbytes: int) -> bytearray:
-        """A buffer of exactly ``nbytes`` that nothing else references (contents unspecified if reused)."""
-        if not self.min_bytes <= nbytes <= self.max_bytes // 4:
-            return bytearray(nbytes)
-        with self._lock:
-            bucket = self._buckets.get(nbytes)
-            if bucket is None:
-                bucket = self._buckets[nbytes] = []
-            for index in range(len(bucket)):
-                if _references(bucket, index) == _UNREFERENCED:
-                    return bucket[index]
-            if self._held + nbytes > self.max_bytes:
-                self._evict(self._held + nbytes - self.max_bytes)
-            if self._held + nbytes > self.max_bytes:
-                return bytearray(nbytes)
-            buffer = bytearray(nbytes)
-            bucket.append(buffer)
-            self._held += nbytes
-            return buffer
-
-    def clear(self) -> None:
-        """Forgets every buffer (those still in use stay valid: their holders keep them alive)."""
-        with self._lock:
-            self._buckets.clear()
-            self._held = 0
-
-    def _evict(self, nbytes: int) -> None:
-        """Drops unreferenced buffers, of any size, until ``nbytes`` were freed or none is left."""
-        freed = 0
-        for size, bucket in list(self._buckets.items()):
-            index = 0
-            while index < len(bucket) and freed < nbytes:
-                if _references(bucket, index) == _UNREFERENCED:
-                    del bucket[index]
-                    freed += size
-                    self._held -= size
-                else:
-                    index += 1
-            if not bucket:
-                del self._buckets[size]
-            if freed >= nbytes:
-                return
-
-
-RECEIVE_BUFFERS = ReceiveBuffers(max_bytes=128 * 1024 * 1024, min_bytes=128 * 1024)
-
-
-async def _read_payload(reader: ByteReader, nbytes: int) -> bytearray:
-    """Fills one preallocated buffer from the stream (readinto-style; no growing, no joining)."""
-    payload = RECEIVE_BUFFERS.take(nbytes)
-    view = memoryview(payload)
-    if isinstance(reader, DirectStream):  # the kernel writes the payload straight into ``view``
-        try:
-            await reader.readexactly_into(view)
-        except asyncio.IncompleteReadError:
-            raise ProtocolError(f"stream ended inside a payload of {nbytes} bytes") from None
-        return payload
-    filled = 0
-    while filled < nbytes:
-        received = await readinto(reader, view[filled:])
-        if not received:
-            raise ProtocolError(f"stream ended inside a payload ({filled} of {nbytes} bytes)")
-        filled += received
-    return payload
-
-
-# asyncio.StreamReader.read(n) returns ``bytes(self._buffer[:n])``: two copies (a bytearray slice,
-# then bytes) before the caller's own copy into its buffer. Copying straight out of the reader's
-# buffer saves both; it relies on StreamReader internals that have not changed since Python 3.7,
-# so it is used only where they are present, with read() as the fallback.
-_FAST_READINTO = all(hasattr(asyncio.StreamReader, name) for name in ("_wait_for_data", "_maybe_resume_transport"))
-
-
-async def readinto(reader: asyncio.StreamReader, view: memoryview) -> int:
-    """Reads up to ``len(view)`` bytes into ``view`` as soon as any are available; 0 at end of stream.
-
-    Like ``read()`` followed by a copy, but without read()'s two intermediate objects when the
-    reader is a plain asyncio.StreamReader (one memcpy from the reader's buffer into ``view``).
-    """
-    if not view.nbytes:
-        return 0
-    buffer = getattr(reader, "_buffer", None) if _FAST_READINTO and type(reader) is asyncio.StreamReader else None
-    if not isinstance(buffer, bytearray):
-        chunk = await reader.read(min(view.nbytes, READ_CHUNK_BYTES))
-        view[: len(chunk)] = chunk
-        return len(chunk)
-    exception = reader.exception()
-    if exception is not None:
-        raise exception
-    if not buffer and not reader.at_eof():
-        await reader._wait_for_data("readinto")
-        buffer = reader._buffer
-    taken = min(len(buffer), view.nbytes)
-    with memoryview(buffer) as source:
-        view[:taken] = source[:taken]
-    del buffer[:taken]  # cheap: CPython drops a bytearray's prefix without moving the rest
-    reader._maybe_resume_transport()
-    return taken
+async def _read_body(
+    reader: ByteReader,
+    kind: FrameKind,
+    header_nbytes: int,
+    payload_nbytes: int,
+    account: ReceiveAccount,
+    progress: Progress,
+) -> Frame:
+    header = unpack_header(await reader.readexactly(header_nbytes))
+    return Frame(kind, header, await read_payload(reader, payload_nbytes, account, progress))
 
 
 PROTOCOL_PREFIX = "/hivemind_ext"

@@ -11,6 +11,7 @@ compression layer above it).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -19,6 +20,7 @@ from hivemind_ext.errors import ConfigurationError, ProtocolError
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 HARD_MAX_HEADER_BYTES = 2**32 - 1  # the frame stores header lengths as u32
+DEFAULT_IDLE_TIMEOUT = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,10 +29,14 @@ class Limits:
 
     A handler's limits bound what it accepts and what it answers; a call's limits bound what the
     caller sends and accepts back. Messages above the limit raise :class:`MessageTooLargeError`.
+    ``idle_timeout``: once a frame has started to arrive, a peer that sends none of its bytes for
+    this many seconds is cut off (ProtocolError), so a stalled frame cannot hold its buffer until
+    the call's (possibly long) deadline.
     """
 
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
 
     def __post_init__(self) -> None:
         if type(self.max_header_bytes) is not int or not 1 <= self.max_header_bytes <= HARD_MAX_HEADER_BYTES:
@@ -39,6 +45,8 @@ class Limits:
             )
         if type(self.max_payload_bytes) is not int or not 0 <= self.max_payload_bytes < 2**63:
             raise ConfigurationError(f"max_payload_bytes must be an int in [0, 2**63), got {self.max_payload_bytes!r}")
+        if type(self.idle_timeout) not in (int, float) or not 0 < self.idle_timeout < math.inf:
+            raise ConfigurationError(f"idle_timeout must be a positive number of seconds, got {self.idle_timeout!r}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

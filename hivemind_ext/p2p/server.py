@@ -34,6 +34,7 @@ from hivemind_ext.p2p.direct_wire import (
 )
 from hivemind_ext.p2p.framing import protocol_name
 from hivemind_ext.p2p.messages import Limits, Message
+from hivemind_ext.p2p.receive_budget import ReceiveBudget
 from hivemind_ext.p2p.serving import (
     HandlerConfig,
     Route,
@@ -56,6 +57,9 @@ LINGER_SECONDS = 2.0
 TICKET_HANDLER_CONFIG = HandlerConfig(
     limits=Limits(max_header_bytes=4096, max_payload_bytes=0), max_timeout=30.0, max_concurrent_calls=64
 )
+# A call over its peer's share (HandlerConfig.max_calls_per_peer) is refused after this long; one
+# beyond twice that share is dropped at once.
+BUSY_REFUSAL_DELAY = 1.0
 SHUTDOWN_MIN_WAIT = 1.0  # cancelled calls get at least this long to finish, even if removal used up the timeout
 
 
@@ -84,6 +88,8 @@ class RPCServer:
         self._pending_hellos = 0
         self._scopes: dict[str, RPCServer] = {}  # namespace -> open scope (see scope())
         self._parent: RPCServer | None = None
+        # bytes of incomplete payloads per caller, shared with this server's scopes (see receive_budget)
+        self.receive_budget = ReceiveBudget()
 
     @property
     def handlers(self) -> tuple[str, ...]:
@@ -109,6 +115,7 @@ class RPCServer:
             raise ConfigurationError(f"namespace {namespace!r} is already served on this peer")
         child = RPCServer(self.p2p, namespace, config=config)
         child._parent = self
+        child.receive_budget = self.receive_budget
         self._scopes[namespace] = child
         return child
 
@@ -263,7 +270,8 @@ class RPCServer:
         """One incoming libp2p stream, from adoption by this server to close; never raises but
         CancelledError (asyncio's stream server, which started this task, would only log it)."""
         if self._adopt_current_task(writer):
-            await self._serve_adopted(route, info.peer_id, FramedStream(reader, writer, route.config.limits), "libp2p")
+            stream = FramedStream(reader, writer, route.config.limits, self.receive_budget.account(info.peer_id))
+            await self._serve_adopted(route, info.peer_id, stream, "libp2p")
 
     def _adopt_current_task(self, writer: asyncio.StreamWriter) -> bool:
         """Makes this server own the connection's task (so that shutdown() cancels and awaits it)."""
@@ -310,7 +318,8 @@ class RPCServer:
             FramedStream(reader, writer, Limits()).close()  # flushes the REJECTED byte, aborts if stuck
             return
         route, peer_id = accepted
-        await self._serve_adopted(route, peer_id, FramedStream(reader, writer, route.config.limits), "direct")
+        stream = FramedStream(reader, writer, route.config.limits, self.receive_budget.account(peer_id))
+        await self._serve_adopted(route, peer_id, stream, "direct")
 
     async def _accept_hello(
         self, reader: DirectStream, writer: asyncio.StreamWriter, tickets: TicketBook
@@ -336,9 +345,19 @@ class RPCServer:
         self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Literal["libp2p", "direct"]
     ) -> None:
         route.active_calls += 1
+        route.calls_per_peer[peer_id] += 1
         try:
             if route.active_calls > route.config.max_concurrent_calls:
                 busy = ClosedError(f"{route.name} is serving {route.config.max_concurrent_calls} calls already")
+                report(stream, ErrorKind.UNAVAILABLE, busy)
+            elif route.calls_per_peer[peer_id] > route.config.max_calls_per_peer:
+                limit = route.config.max_calls_per_peer
+                if route.calls_per_peer[peer_id] > 2 * limit:
+                    stream.abort()  # far over its share: the cheapest answer
+                    return
+                # answered late, so that a caller that reopens at once does not spin on refusals
+                await asyncio.sleep(BUSY_REFUSAL_DELAY)
+                busy = ClosedError(f"{route.name} is serving {limit} calls of {peer_id} already")
                 report(stream, ErrorKind.UNAVAILABLE, busy)
             else:
                 await serve_call(route, peer_id, stream, transport)
@@ -350,4 +369,7 @@ class RPCServer:
             logger.exception(f"unexpected failure serving {route.protocol} to {peer_id}")
         finally:
             route.active_calls -= 1
+            route.calls_per_peer[peer_id] -= 1
+            if route.calls_per_peer[peer_id] <= 0:
+                del route.calls_per_peer[peer_id]
             stream.close()

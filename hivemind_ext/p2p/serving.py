@@ -11,6 +11,7 @@ Handler exceptions cross the wire as their class name and text, never as a trace
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -62,20 +63,25 @@ class HandlerConfig:
       streams and stays silent ties up nothing for longer)
     :param max_concurrent_calls: calls beyond this many at once are refused at once with an
       "unavailable" ERROR frame (PeerUnreachableError for the caller), which bounds what a flood
-      of streams can cost: at most this many payloads of ``limits.max_payload_bytes`` in memory
+      of streams can cost (payload buffers grow as bytes arrive, see framing)
+    :param max_calls_per_peer: calls from one peer beyond this many at once are refused the same
+      way, so that one caller cannot take every slot
     """
 
     limits: Limits = dataclasses.field(default_factory=Limits)
     max_timeout: float = 300.0
     open_timeout: float = 10.0
     max_concurrent_calls: int = 256
+    max_calls_per_peer: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.limits, Limits):
             raise ConfigurationError(f"limits must be a Limits, got {type(self.limits).__name__}")
         check_durations(self, "max_timeout", "open_timeout")
-        if type(self.max_concurrent_calls) is not int or self.max_concurrent_calls < 1:
-            raise ConfigurationError(f"max_concurrent_calls must be a positive int, got {self.max_concurrent_calls!r}")
+        for name in ("max_concurrent_calls", "max_calls_per_peer"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -88,6 +94,7 @@ class Route:
     handler: Callable[..., Any]
     config: HandlerConfig
     active_calls: int = 0
+    calls_per_peer: collections.Counter[PeerID] = dataclasses.field(default_factory=collections.Counter)
 
 
 class _HandlerFailed(Exception):

@@ -25,6 +25,7 @@ from hivemind_ext.p2p.framing import (
     write_frame_nowait,
 )
 from hivemind_ext.p2p.messages import Limits
+from hivemind_ext.p2p.receive_budget import ReceiveAccount
 
 # The transport buffers this much before drain() blocks: a few write chunks in flight keep the
 # daemon's socket busy while Python prepares the next chunk (asyncio's default is only 64 KiB).
@@ -56,9 +57,13 @@ def _abort_if_still_flushing(transport: asyncio.BaseTransport) -> None:
 class FramedStream:
     """Frames over one (reader, writer) pair: a libp2p stream opened through the daemon, or a direct TCP stream."""
 
-    def __init__(self, reader: ByteReader, writer: asyncio.StreamWriter, limits: Limits) -> None:
+    def __init__(
+        self, reader: ByteReader, writer: asyncio.StreamWriter, limits: Limits, account: ReceiveAccount | None = None
+    ) -> None:
         tune_transport(writer)
         self.reader, self.writer, self.limits = reader, writer, limits
+        # what incomplete payloads of this stream hold, charged to the sender's budget (server side)
+        self.account = account if account is not None else ReceiveAccount()
         self._send_lock = asyncio.Lock()
         self._send_interrupted = False
         self._finished_sending = False  # an END or ERROR frame went out: nothing may follow it
@@ -98,7 +103,7 @@ class FramedStream:
 
     async def receive(self, deadline: float) -> Frame:
         async with self._receive_lock:
-            return await read_frame(self.reader, limits=self.limits, deadline=deadline)
+            return await read_frame(self.reader, limits=self.limits, deadline=deadline, account=self.account)
 
     async def wait_peer_gone(self) -> bool:
         """Waits until the peer closes the stream (True) or sends more bytes (False), consuming them.

@@ -68,8 +68,9 @@ still carry JOIN and RESULT, so gather works with any sizes.
 
 Routing: the service registers one stream handler (``"allreduce"``) on the RPC server and routes
 each stream by the group id in its JOIN to the local round. A stream that arrives a little before
-the local round starts waits (up to ``round_wait_timeout``) for it; a stream for an unknown or
-finished group, or from a peer that is not a contributing member, is answered with REFUSED. The
+the local round starts waits (up to ``round_wait_timeout``) for it, if :mod:`.admission` lets it
+(members the matchmaking board lists have slots that outsiders cannot take); a stream for an
+unknown or finished group, or from a peer that is not a contributing member, is answered with REFUSED. The
 sender's identity is the stream's authenticated libp2p peer id.
 
 Measured with benchmarks/allreduce.py (4 peers x 16M float32 values, each peer with its own
@@ -87,12 +88,14 @@ import collections
 import concurrent.futures
 import logging
 import math
+import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
 from hivemind.p2p import PeerID
 
+from hivemind_ext.averaging.allreduce.admission import AdmissionConfig, EarlyAdmission
 from hivemind_ext.averaging.allreduce.api import (
     DEFAULT_PART_SIZE_BYTES,
     AllreduceConfig,
@@ -142,7 +145,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_ROUND_WAIT_TIMEOUT = 5.0
 FIRST_MESSAGE_TIMEOUT = 10.0
 MAX_ROUND_SECONDS = 3600.0  # the handler serves one stream for at most this long
-MAX_EARLY_GROUPS = 64  # groups that streams may be waiting for before their round starts
+REFUSAL_DELAY = 0.5  # a stream refused a wait for its round is answered after 1-2x this long
 FINISHED_GROUPS_KEPT = 256
 
 __all__ = [
@@ -165,6 +168,9 @@ class AllreduceService:
       ``part_size_bytes`` used
     :param round_wait_timeout: how long a stream that arrives before its round starts waits for it
     :param codec_threads: worker threads for codec work (0: run it on the event loop)
+    :param admission: who may wait for rounds that have not started here (see :mod:`.admission`);
+      set ``service.admission.is_listed`` to the matchmaking board's view of the swarm, so that
+      members get slots that outsiders cannot take
     """
 
     def __init__(
@@ -176,6 +182,7 @@ class AllreduceService:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         round_wait_timeout: float = DEFAULT_ROUND_WAIT_TIMEOUT,
         codec_threads: int = 2,
+        admission: AdmissionConfig | None = None,
     ) -> None:
         if rpc_client.namespace != rpc_server.namespace:
             raise ConfigurationError(
@@ -199,13 +206,16 @@ class AllreduceService:
         self._waiting: collections.Counter[bytes] = collections.Counter()
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = False
+        self.admission = EarlyAdmission(admission if admission is not None else AdmissionConfig())
         # called with a group id when a stream arrives before the local round of that group starts
         # (a groupmate began its round: the averager tells the step that waits for its trigger)
         self.on_early_stream: Callable[[bytes], None] | None = None
 
     async def start(self) -> None:
         """Registers the ``"allreduce"`` handler on the server."""
-        config = HandlerConfig(limits=self.limits, max_timeout=MAX_ROUND_SECONDS, max_concurrent_calls=1024)
+        config = HandlerConfig(
+            limits=self.limits, max_timeout=MAX_ROUND_SECONDS, max_concurrent_calls=1024, max_calls_per_peer=64
+        )
         await self.rpc_server.add_stream(HANDLER_NAME, self._handle, config=config)
         self._registered = True
 
@@ -345,15 +355,35 @@ class AllreduceService:
         if first is None:
             return
         try:
-            round_ = await self._find_round(parse_group_id(first), min(rpc.deadline, now() + self.round_wait_timeout))
+            deadline = min(rpc.deadline, now() + self.round_wait_timeout)
+            round_ = await self._find_round(parse_group_id(first), rpc.peer_id, deadline)
         except ProtocolError as e:
             yield refusal_message(str(e))
             return
         async for response in round_.serve(rpc.peer_id, first, requests):
             yield response
 
-    async def _find_round(self, group_id: bytes, deadline: float) -> RoundRun:
-        """The local round of ``group_id``, waiting until ``deadline`` for it to start."""
+    async def _find_round(self, group_id: bytes, peer: PeerID, deadline: float) -> RoundRun:
+        """The local round of ``group_id``, waiting until ``deadline`` for it to start if ``peer`` is
+        admitted to wait (see :mod:`.admission`)."""
+        round_ = self._rounds.get(group_id)
+        if round_ is not None:
+            return round_
+        if group_id in self._finished:
+            raise ProtocolError(f"the round of group {group_id.hex()} is over")
+        ticket = self.admission.admit(peer, now())
+        if ticket is None:
+            # answered late, so that a requester that reopens at once costs little (its stream holds
+            # one of its own call slots meanwhile, see HandlerConfig.max_calls_per_peer)
+            delay = REFUSAL_DELAY * (1.0 + random.random())  # jittered: refused floods do not come back in step
+            await asyncio.sleep(max(0.0, min(delay, deadline - now())))
+            raise ProtocolError("too many streams from this peer for rounds that have not started here")
+        try:
+            return await self._wait_for_round(group_id, deadline)
+        finally:
+            self.admission.leave(ticket)
+
+    async def _wait_for_round(self, group_id: bytes, deadline: float) -> RoundRun:
         while True:
             round_ = self._rounds.get(group_id)
             if round_ is not None:
@@ -362,8 +392,6 @@ class AllreduceService:
                 raise ProtocolError(f"the round of group {group_id.hex()} is over")
             arrival = self._arrivals.get(group_id)
             if arrival is None:
-                if len(self._arrivals) >= MAX_EARLY_GROUPS:
-                    raise ProtocolError("too many streams for groups that have not started here")
                 arrival = self._arrivals[group_id] = asyncio.Event()
                 if self.on_early_stream is not None:
                     self.on_early_stream(group_id)

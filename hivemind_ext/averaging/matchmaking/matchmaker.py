@@ -114,6 +114,7 @@ from hivemind.utils import get_dht_time
 
 from hivemind_ext.averaging.matchmaking.board import Write, board_key, parse_board
 from hivemind_ext.averaging.matchmaking.group import Board, Declaration, GroupInfo, MatchmakingConfig, Member
+from hivemind_ext.averaging.matchmaking.listed import ListedPeers
 from hivemind_ext.averaging.matchmaking.protocol import (
     URGENT_POLL_FRACTION,
     Looking,
@@ -152,6 +153,12 @@ class Matchmaker:
         self.peer_id = peer_id if peer_id is not None else dht.peer_id
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
         self._busy = False
+        # who this peer has seen on its board lately (the all-reduce's admission reserves slots for them)
+        self.listed = ListedPeers()
+
+    def lists(self, peer: PeerID) -> bool:
+        """Whether ``peer`` was on this peer's matchmaking board recently (see :mod:`.listed`)."""
+        return self.listed.lists(peer, get_dht_time())
 
     @property
     def _key(self) -> str:
@@ -304,6 +311,8 @@ class Matchmaker:
             if entries is None
             else parse_board(self.config.group_key, entries, get_dht_time(), self.config.fingerprint)
         )
+        if board is not None:
+            self.listed.update(board, get_dht_time())
         return stored, board
 
     def _withdraw(self, state: State) -> None:
