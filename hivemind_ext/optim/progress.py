@@ -349,10 +349,9 @@ def aggregate_progress(
 
     # Every live peer's speed counts, also those still at an older epoch: they are about to catch up
     # and contribute. Samples count only at the current epoch; each is extrapolated from its report
-    # time, since a record is only republished every so often (another peer's, never past what it may
-    # count: the target, and the cap its claim got).
+    # time, since a record is only republished every so often.
     total_speed = sum(entry.speed for entry in screening.counted)
-    expected_samples = sum(_extrapolated(entry, now, target_batch_size) for entry in current)
+    expected_samples = sum(_extrapolated(entry, now) for entry in current)
     remaining = max(0.0, target_batch_size - expected_samples)
     if remaining == 0:
         seconds_to_epoch = 0.0
@@ -387,15 +386,10 @@ def aggregate_progress(
     )
 
 
-def _extrapolated(entry: Counted, now: float, target_batch_size: int) -> float:
-    """A peer's samples at ``now``, from its report at ``entry.record.time`` and its speed."""
-    record = entry.record
-    grown = entry.samples + entry.speed * max(0.0, now - record.time)
-    if entry.is_local:
-        return grown
-    # a claim that was capped stays at its cap; the time in a record is the writer's own word
-    capped = entry.samples < record.samples_accumulated
-    return float(entry.samples) if capped else min(grown, target_batch_size)
+def _extrapolated(entry: Counted, now: float) -> float:
+    """A peer's samples at ``now``, from its report at ``entry.record.time`` and its speed, never past
+    what its claim may count for (the time in another peer's record is that peer's own word)."""
+    return min(entry.samples + entry.speed * max(0.0, now - entry.record.time), entry.limit)
 
 
 def is_ready_to_update_epoch(global_progress: GlobalTrainingProgress, local_epoch: int) -> bool:

@@ -63,6 +63,7 @@ class Counted:
     samples: int
     speed: float
     is_local: bool = False
+    limit: float = math.inf  # the most its samples may count for (its cap), also when extrapolated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,7 @@ def screen_progress(records: Sequence[ProgressRecord], local: ProgressRecord, *,
     counted = []
     for index, peer in enumerate(peers):
         is_local = index == len(peers) - 1
-        samples, speed = 0, 0.0
+        samples, speed, limit = 0, 0.0, math.inf
         if index in speeds:
             speed = peer.samples_per_second
             if not is_local:
@@ -144,8 +145,9 @@ def screen_progress(records: Sequence[ProgressRecord], local: ProgressRecord, *,
             samples = peer.samples_accumulated
             if not is_local:
                 vouchers = [peers[other].samples_accumulated for other in at_epoch if other != index]
-                samples = int(min(samples, target_batch_size, vouched_cap(vouchers)))
-        counted.append(Counted(peer, samples, speed, is_local))
+                limit = min(target_batch_size, vouched_cap(vouchers))
+                samples = int(min(samples, limit))
+        counted.append(Counted(peer, samples, speed, is_local, limit))
     return Screening(epoch=epoch, counted=tuple(counted), ignored=tuple(ignored))
 
 
