@@ -12,6 +12,7 @@ ended epochs after a step or two.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,9 +23,10 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from optim_swarm import FAST_TRACKER, SwarmRun, quiet_hivemind, run_swarm
+from optim_swarm import FAST_TRACKER, SwarmRun, quiet_hivemind, regression_model, run_swarm, signing_key
 from swarm import local_swarm, wait_for
 
+from hivemind_ext import Optimizer
 from hivemind_ext.optim.progress import LocalTrainingProgress, parse_progress_records
 from hivemind_ext.optim.progress_rules import SAMPLE_FACTOR
 
@@ -155,3 +157,52 @@ def test_a_hostile_record_neither_moves_the_epoch_nor_ends_epochs_early(dhts: li
         assert len(ignoring) == NUM_HONEST, run.warnings
     else:
         assert all(opt.tracker.ignored_records == 0 for opt in run.optimizers)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_joiner_refuses_a_donor_state_far_above_the_agreed_epoch(
+    dhts: list[hivemind.DHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hostile peer runs an Optimizer too, at epoch 10**9, and shares that state as the newest: a
+    joiner's catch-up neither follows its record nor adopts its state."""
+    caplog.set_level(logging.WARNING, logger="hivemind_ext.optim.optimizer")
+    run_id, optimizers = "hostile_donor", []
+
+    def make(dht: hivemind.DHT, key: RSAPrivateKey) -> Optimizer:
+        optimizers.append(
+            Optimizer(
+                dht=dht,
+                run_id=run_id,
+                params=regression_model().parameters(),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+                target_batch_size=TARGET,
+                batch_size_per_step=BATCH,
+                load_state_timeout=10.0,
+                tracker_opts=dict(FAST_TRACKER, private_key=key),
+                shutdown_timeout=2.0,
+            )
+        )
+        return optimizers[-1]
+
+    try:
+        honest = [make(dht, signing_key(dht)) for dht in dhts[:2]]
+        for opt in honest:
+            opt.load_state_dict({**opt.state_dict(), "local_epoch": 3})
+        hostile = make(dhts[-1], HOSTILE_KEY)
+        hostile.load_state_dict({**hostile.state_dict(), "local_epoch": 10**9})
+        joiner = make(dhts[2], signing_key(dhts[2]))
+        wait_for(lambda: joiner.tracker.global_progress.num_peers == 3, 20.0, message="the joiner to see the swarm")
+        assert joiner.tracker.global_progress.epoch == 3  # the two honest peers agree; 10**9 is ignored
+
+        refused = f"refusing a state of epoch {10**9}"
+        wait_for(
+            lambda: joiner.load_state_from_peers() is None and refused in caplog.text,
+            30.0,
+            message="the hostile donor's state to be offered and refused",
+        )
+        assert joiner.local_epoch <= 4 and joiner.tracker.local_progress.epoch <= 4
+        assert all(opt.tracker.global_progress.epoch == 3 for opt in honest)
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
