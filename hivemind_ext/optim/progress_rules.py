@@ -19,11 +19,17 @@ move the swarm's epoch or end an epoch early.
 - Auxiliary peers bring no samples: whatever their records claim counts as zero.
 
 What that guarantees (h honest peers, f hostile ones, each with its own key): while f < h, no
-hostile record moves any honest peer's epoch outside the honest peers' range, and an epoch ends only
-when the honest trainers have reported at least ``target - f * SAMPLE_FACTOR * median`` samples,
-where ``median`` is a typical honest trainer's count (each hostile peer counts as at most
-:data:`SAMPLE_FACTOR` typical peers). With two peers in all, neither can tell which one lies: the
-other peer's record is believed (the epoch it reports, samples up to the target).
+hostile record moves any honest peer's epoch outside the honest peers' range (and so neither the LR
+schedule nor the catch-up that follows the epoch). One hostile trainer counts as at most
+:data:`SAMPLE_FACTOR` typical honest trainers toward the end of an epoch (with 3 honest trainers of
+similar speed, an epoch still needs 3/5 of the target from them); an absurd claim counts nothing.
+What it does not guarantee: keys are free, so f counts keys, not machines (a Sybil with many keys
+is a majority); with two peers in all neither can tell which one lies (the other's record is
+believed: the epoch it reports, samples up to the target); a record at the swarm's epoch or one
+above counts as a live peer, so rounds expect it (and wait out their matchmaking window when it never
+comes). The cost to honest swarms: a trainer more than :data:`SAMPLE_FACTOR` times ahead of the
+others' median is counted at that bound, so such a mixed swarm ends its epochs a little after the
+target (its gradients still carry every sample).
 """
 
 from __future__ import annotations
