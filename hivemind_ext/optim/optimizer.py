@@ -595,6 +595,10 @@ class Optimizer(torch.optim.Optimizer):
                     f"{self.local_epoch}: keeping the local state",
                 )
                 return
+            if isinstance(donor_epoch, int) and not self.tracker.accepts_epoch(donor_epoch):
+                swarm_epoch = self.tracker.global_progress.epoch
+                logger.warning(f"refusing a state of epoch {donor_epoch}: the swarm agrees on {swarm_epoch}")
+                return
             with self._state_lock:
                 self.state_manager.load(metadata, tensors)
                 if self._engine is not None:

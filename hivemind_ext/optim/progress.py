@@ -19,7 +19,10 @@ run_id neither adds to the swarm's progress nor to the group size that peers exp
 parsed strictly and a malformed one is skipped, never trusted.
 
 :func:`aggregate_progress` turns the records into a :class:`GlobalTrainingProgress`; it is a pure
-function of the records, this peer's own progress and the clock, so tests drive it directly.
+function of the records, this peer's own progress and the clock, so tests drive it directly. A valid
+signature does not make a record true: the swarm's epoch and the sample claims that count are decided
+by :mod:`.progress_rules` so that no single peer (nor a minority) can move the epoch or end an epoch
+early; implausible records are ignored and counted (:attr:`ProgressTracker.ignored_records`).
 :class:`ProgressTracker` is the thin I/O around it: a background thread that publishes this peer's
 record and fetches everyone's, every DHT call made through the peer runtime's DHT helper
 (:class:`~hivemind_ext.p2p.dht_calls.DHTCalls`) and bounded by a deadline.
@@ -58,6 +61,7 @@ from hivemind_ext.errors import (
     ProtocolError,
 )
 from hivemind_ext.optim.fingerprint import RunFingerprint, swarm_fingerprint
+from hivemind_ext.optim.progress_rules import Counted, accepts_epoch, screen_progress
 from hivemind_ext.p2p.runtime import PeerRuntime
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ AUXILIARY_RECORD_FIELDS = 8  # the record of an auxiliary peer: a fingerprint (o
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58
 _OWNER_SUBKEY = re.compile(rb"\[owner:(.+)\]", re.DOTALL)  # RSASignatureValidator.PUBLIC_KEY_FORMAT, whole subkey
 _POLL_SECONDS = 0.1  # how often a wait on the DHT checks whether the tracker is shutting down
+_MAX_WARNED_PEERS = 1024  # past this many offending peers, new ones are counted, not logged
 _REMOVAL_WAIT_SECONDS = 1.0  # how long shutdown waits for the store that withdraws this peer's record
 
 
@@ -89,8 +94,8 @@ class LocalTrainingProgress:
 class GlobalTrainingProgress:
     """The swarm's progress toward the next epoch, as this peer sees it."""
 
-    epoch: int  # the highest epoch any live peer reports
-    samples_accumulated: int  # samples reported by the peers at that epoch
+    epoch: int  # this peer's epoch, or the highest that most other peers reached (see progress_rules)
+    samples_accumulated: int  # samples reported by the peers at that epoch (implausible claims capped)
     target_batch_size: int
     num_peers: int  # live peers, this one included
     num_clients: int
@@ -98,6 +103,7 @@ class GlobalTrainingProgress:
     next_fetch_time: float  # DHT time at which the tracker reads the records again
     samples_per_second: float = 0.0  # the live peers' speeds, summed (not in hivemind's record of this name)
     num_auxiliary: int = 0  # auxiliary peers among num_peers
+    ignored: tuple[tuple[str, str], ...] = ()  # (peer id, why) of the records left out as implausible
 
     @property
     def num_trainers(self) -> int:
@@ -332,20 +338,20 @@ def aggregate_progress(
     expected_drift_rate: float,
 ) -> GlobalTrainingProgress:
     """The swarm's progress from the live peers' ``records`` and this peer's own latest ``local``
-    progress (which replaces any record with its peer id)."""
-    peers = [record for record in records if record.peer_id != local.peer_id]
-    peers.append(local)
-    epoch = max(peer.epoch for peer in peers)
-    current = [peer for peer in peers if peer.epoch == epoch]
-    samples = sum(peer.samples_accumulated for peer in current)
+    progress (which replaces any record with its peer id). The epoch and the sample claims that count
+    are decided by :func:`~.progress_rules.screen_progress`, so that no single peer (nor a minority)
+    can move them; the records it ignores are listed in the result's ``ignored``."""
+    screening = screen_progress(records, local, target_batch_size=target_batch_size)
+    epoch = screening.epoch
+    peers = [entry.record for entry in screening.counted]
+    current = [entry for entry in screening.counted if entry.record.epoch == epoch]
+    samples = sum(entry.samples for entry in current)
 
     # Every live peer's speed counts, also those still at an older epoch: they are about to catch up
     # and contribute. Samples count only at the current epoch; each is extrapolated from its report
     # time, since a record is only republished every so often.
-    total_speed = sum(peer.samples_per_second for peer in peers)
-    expected_samples = sum(
-        peer.samples_accumulated + peer.samples_per_second * max(0.0, now - peer.time) for peer in current
-    )
+    total_speed = sum(entry.speed for entry in screening.counted)
+    expected_samples = sum(_extrapolated(entry, now) for entry in current)
     remaining = max(0.0, target_batch_size - expected_samples)
     if remaining == 0:
         seconds_to_epoch = 0.0
@@ -376,7 +382,14 @@ def aggregate_progress(
         next_fetch_time=now + seconds_to_fetch,
         samples_per_second=total_speed,
         num_auxiliary=sum(1 for peer in peers if peer.auxiliary),
+        ignored=screening.ignored,
     )
+
+
+def _extrapolated(entry: Counted, now: float) -> float:
+    """A peer's samples at ``now``, from its report at ``entry.record.time`` and its speed, never past
+    what its claim may count for (the time in another peer's record is that peer's own word)."""
+    return min(entry.samples + entry.speed * max(0.0, now - entry.record.time), entry.limit)
 
 
 def is_ready_to_update_epoch(global_progress: GlobalTrainingProgress, local_epoch: int) -> bool:
@@ -587,6 +600,8 @@ class ProgressTracker:
         self._last_publish_time = -math.inf
         self._paused = 0
         self._last_logged: tuple[int, int, int] | None = None  # the figures of the last status line
+        self._ignored_records = 0
+        self._warned_peers: set[str] = set()  # peers whose implausible records were logged once already
 
         self._wake, self._stopping = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{type(self).__name__}({prefix})", daemon=daemon)
@@ -636,6 +651,24 @@ class ProgressTracker:
         """The records, as of the last fetch, of peers whose fingerprint differs from the swarm's;
         they count nowhere in :attr:`global_progress`."""
         return list(self._foreign)
+
+    @property
+    def ignored_records(self) -> int:
+        """How many records the fetches so far left out as implausible (an epoch far above the one the
+        other peers agree on, absurd sample counts; see :mod:`.progress_rules`): each fetch counts
+        the ones it ignores. Each offending peer is logged once at WARNING."""
+        return self._ignored_records
+
+    def accepts_epoch(self, epoch: int, timeout: float | None = None) -> bool:
+        """Whether ``epoch`` (a donor's, for instance) is at most one above the swarm's epoch as this
+        peer sees it, which no minority of peers can raise (:func:`.progress_rules.accepts_epoch`).
+        If not, the records are read once more (for up to ``timeout`` seconds, default the request
+        timeout) before saying no: the view may just be old."""
+        if accepts_epoch(epoch, self._global.epoch):
+            return True
+        with contextlib.suppress(DeadlineExceededError, PeerUnreachableError, ClosedError):
+            self.fetch_now(timeout)
+        return accepts_epoch(epoch, self._global.epoch)
 
     @property
     def global_epoch(self) -> int:
@@ -843,6 +876,15 @@ class ProgressTracker:
             progress = self._global
             seen = (progress.epoch, progress.samples_accumulated, progress.num_peers)
             changed, self._last_logged = seen != self._last_logged, seen
+            self._ignored_records += len(progress.ignored)
+            first_offences = [
+                (peer, why)
+                for peer, why in dict(progress.ignored).items()
+                if peer not in self._warned_peers and len(self._warned_peers) < _MAX_WARNED_PEERS
+            ]
+            self._warned_peers.update(peer for peer, _ in first_offences)
+        for peer, why in first_offences:
+            logger.warning("%s: ignoring the progress record of peer %s: %s", self.prefix, peer, why)
         if not changed:  # a fetch every half second would repeat the same line
             return
         logger.log(
