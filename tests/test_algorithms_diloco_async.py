@@ -24,6 +24,7 @@ from hivemind_ext.optim.algorithms import (
     DiLoCo,
     DiLoCoImpl,
 )
+from hivemind_ext.optim.algorithms.diloco import round_offset
 from hivemind_ext.optim.rounds import RoundHooks
 
 FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
@@ -185,6 +186,16 @@ def test_diloco_communicates_once_every_h_steps(solo_dht):
         assert impl.round_index == impl.rounds
     finally:
         opt.shutdown()
+
+
+def test_diloco_round_offset_is_one_sided_and_tolerant():
+    # the group's weighted mean of round indices against this peer's: -1 behind, 0 aligned, 1 ahead
+    assert round_offset(5.0, 5) == 0
+    assert round_offset(float(torch.tensor([12345.0]).mean()), 12345) == 0  # float32 rounding
+    assert round_offset(4.9999995, 5) == 0 and round_offset(5.0000005, 5) == 0
+    # a group of rounds 5 and 6 (mean 5.5): the peer at 5 is behind, the one at 6 ahead (round() said 6)
+    assert round_offset(5.5, 5) == -1 and round_offset(5.5, 6) == 1
+    assert round_offset(5.99, 6) == 1 and round_offset(5.01, 5) == -1
 
 
 # ----- AsyncModelAverage: controls, shutdown, and the progress-keeping rule
@@ -359,8 +370,10 @@ def test_convergence_matches_synchronous_averaging():
     histories = [impl.history for impl in diloco_impls]
     assert sum(diloco_losses) / PEERS <= reference + LOSS_TOLERANCE, (diloco_losses, reference, histories)
     assert sum(async_losses) / PEERS <= reference + LOSS_TOLERANCE, (async_losses, reference, sync_losses)
-    for impl in diloco_impls:  # one outer step per 10 steps; rounds may fail on a loaded machine
-        assert impl.rounds == STEPS // 10, impl.history
+    for impl in diloco_impls:  # a round per 10 steps; rounds may fail on a loaded machine (and are retried)
+        history = list(impl.history)
+        assert len(history) == STEPS // 10, history
+        assert impl.rounds == sum(kind in ("swarm", "solo") for _, kind, _, _ in history), history
         assert impl.swarm_rounds >= 1, impl.history
     assert all(rounds >= 1 for rounds in async_rounds), async_rounds
 
