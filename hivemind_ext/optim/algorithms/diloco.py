@@ -244,6 +244,9 @@ class DiLoCoImpl(AlgorithmImpl):
             # download replaces the anchor, momentum, phase and parameters
             self.context.request_resync()
             self.history.append((self.round_index, "behind", weight, group))
+            logger.log(
+                self.context.status_loglevel, f"the group was past round {self.round_index}: downloading its state"
+            )
         elif self._peers() > 1:
             # failed, or this peer is ahead of (some of) the group: keep the anchor and retry at the next
             # round's end with the pseudo-gradient since the anchor. A peer that joined this round (weight
@@ -251,6 +254,7 @@ class DiLoCoImpl(AlgorithmImpl):
             # donor's inner steps before the download twice, a bias of one round, not a divergence)
             self.contributing = True
             self.history.append((self.round_index, "retry", weight, group))
+            logger.log(self.context.status_loglevel, f"round {self.round_index} did not average: retrying at the next")
         else:
             self._solo_step()  # the others are gone: no one to retry with
 
