@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import hivemind
 import pytest
@@ -23,6 +24,8 @@ from hivemind_ext.optim.algorithms import (
     DiLoCo,
     DiLoCoImpl,
 )
+from hivemind_ext.optim.algorithms.diloco import round_offset
+from hivemind_ext.optim.rounds import RoundHooks
 
 FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
 MATCHMAKING_TIME = 0.3
@@ -41,6 +44,7 @@ def make_optimizer(
     *,
     lr: float = 0.1,
     target_batch_size: int = 10_000,
+    round_hooks: RoundHooks | None = None,
 ) -> Optimizer:
     return Optimizer(
         dht=dht,
@@ -56,6 +60,7 @@ def make_optimizer(
         # one tracker key per peer: in one process every DHT shares hivemind's process-wide key
         tracker_opts={**FAST_TRACKER, "private_key": signing_key(dht)},
         algorithm=algorithm,
+        round_hooks=round_hooks,
     )
 
 
@@ -181,6 +186,16 @@ def test_diloco_communicates_once_every_h_steps(solo_dht):
         assert impl.round_index == impl.rounds
     finally:
         opt.shutdown()
+
+
+def test_diloco_round_offset_is_one_sided_and_tolerant():
+    # the group's weighted mean of round indices against this peer's: -1 behind, 0 aligned, 1 ahead
+    assert round_offset(5.0, 5) == 0
+    assert round_offset(float(torch.tensor([12345.0]).mean()), 12345) == 0  # float32 rounding
+    assert round_offset(4.9999995, 5) == 0 and round_offset(5.0000005, 5) == 0
+    # a group of rounds 5 and 6 (mean 5.5): the peer at 5 is behind, the one at 6 ahead (round() said 6)
+    assert round_offset(5.5, 5) == -1 and round_offset(5.5, 6) == 1
+    assert round_offset(5.99, 6) == 1 and round_offset(5.01, 5) == -1
 
 
 # ----- AsyncModelAverage: controls, shutdown, and the progress-keeping rule
@@ -355,8 +370,10 @@ def test_convergence_matches_synchronous_averaging():
     histories = [impl.history for impl in diloco_impls]
     assert sum(diloco_losses) / PEERS <= reference + LOSS_TOLERANCE, (diloco_losses, reference, histories)
     assert sum(async_losses) / PEERS <= reference + LOSS_TOLERANCE, (async_losses, reference, sync_losses)
-    for impl in diloco_impls:  # one outer step per 10 steps; rounds may fail on a loaded machine
-        assert impl.rounds == STEPS // 10, impl.history
+    for impl in diloco_impls:  # a round per 10 steps; rounds may fail on a loaded machine (and are retried)
+        history = list(impl.history)
+        assert len(history) == STEPS // 10, history
+        assert impl.rounds == sum(kind in ("swarm", "solo") for _, kind, _, _ in history), history
         assert impl.swarm_rounds >= 1, impl.history
     assert all(rounds >= 1 for rounds in async_rounds), async_rounds
 
@@ -415,6 +432,73 @@ def test_dead_peer_does_not_stop_the_others(algorithm_name):
         details = (list(impl.history), impl.state_loads) if isinstance(impl, DiLoCoImpl) else impl.rounds
         assert test_loss(models[index]) < 0.1, (index, test_loss(models[index]), details)
     assert elapsed < 80
+
+
+class FailOneRound(RoundHooks):
+    """The round driver's seam: this peer's ``index``-th round (from 0) fails as if it timed out."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.rounds = index, 0
+
+    def before_round(self, control: Any, *, watch_swarm: bool) -> None:
+        self.rounds += 1
+        if self.rounds == self.index + 1:
+            raise TimeoutError("injected: the round did not finish before its deadline")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_diloco_peers_average_again_after_a_round_failed_for_all_of_them():
+    # what a dead peer does to the survivors' round, made deterministic: the same round fails on both
+    # peers. They must average again afterwards, from the same anchor (not swap their states and sit
+    # out every later round with weight 0, nor keep averaging from anchors that differ)
+    steps, failing_round, inner_steps = 30, 1, 5
+    with local_swarm(2) as dhts:
+        models = [linear_model(seed=0) for _ in dhts]
+        opts = [
+            make_optimizer(
+                dht,
+                m.parameters(),
+                "fail_once",
+                DiLoCo(inner_steps, codec=None),
+                round_hooks=FailOneRound(failing_round),
+            )
+            for dht, m in zip(dhts, models, strict=True)
+        ]
+        wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts), 30, message="both peers")
+
+        def worker(index: int) -> None:
+            generator = torch.Generator().manual_seed(index + 1)
+            impl = opts[index].algorithm_impl
+            give_up = time.monotonic() + 80
+            for _ in range(steps):
+                train_step(models[index], opts[index], generator)
+                time.sleep(0.02)
+            # a last round that failed on a loaded machine: go on to the end of the next one
+            while (impl.steps_in_round or impl.resync_pending) and time.monotonic() < give_up:
+                train_step(models[index], opts[index], generator)
+
+        try:
+            run_peers(worker, 2, timeout=100)
+        finally:
+            for opt in opts:
+                opt.shutdown()
+    impls = [opt.algorithm_impl for opt in opts]
+    histories = [(list(impl.history), impl.state_loads) for impl in impls]
+    for impl in impls:
+        history = list(impl.history)
+        assert history[failing_round][1] != "swarm", histories
+        # rounds may still fail on a loaded machine, but the peers averaged again, with weight
+        assert any(kind == "swarm" and weight > 0 for _, kind, weight, _ in history[failing_round + 1 :]), histories
+        assert history[-1][1] == "swarm", histories
+    losses = [test_loss(model) for model in models]
+    assert all(loss < 0.1 for loss in losses), (losses, histories)
+    # in step: the same round, anchor and model (the last round averaged: the parameters are the anchor)
+    assert impls[0].round_index == impls[1].round_index, histories
+    for mine, theirs in zip(impls[0].anchor, impls[1].anchor, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0, msg=lambda m: f"{m}\n{histories}")
+    for mine, theirs in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{m}\n{histories}")
 
 
 @pytest.mark.timeout(120)

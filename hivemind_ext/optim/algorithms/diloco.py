@@ -18,18 +18,25 @@ them with the parameters. It then finishes the swarm's current round with weight
 the average, contributes nothing: its local steps in that round did not start from the anchor) and
 contributes from the next round on, i.e. once it has done H inner steps from a round start.
 
+A round that fails while other peers are around (a timeout, a member that died, a part of the
+all-reduce that was not averaged) does NOT move the anchor: the peer takes no outer step, keeps its
+inner steps, and retries at the end of the next H inner steps with the pseudo-gradient of the whole
+time since the anchor (``anchor - params`` keeps growing; the weight, its samples, too). Anchors only
+move on a successful round, where every member applies the same average, so peers at the same round
+index hold the same anchor and momentum whatever failed before. (The library's generic rule,
+:func:`hivemind_ext.optim.rounds.after_failed_round`, steps locally and downloads the state at the
+next step; for DiLoCo that went wrong when a round failed for a whole group, e.g. the survivors of a
+dead peer: each stepped on its own pseudo-gradient and they downloaded each other's state at the
+same moment, i.e. swapped states, then sat the next round out with weight 0, so that round had no
+weight, failed too, and so on for good.) A peer alone (the progress tracker sees no other peer)
+applies the outer step to its own pseudo-gradient instead of waiting ``averaging_timeout`` for a group.
+
 Peers meet under one matchmaking key whatever their round: a peer that waited for a group past
 the end of the others' round could average with their NEXT round. So each round also averages the
-peers' round index (one uncompressed float, same weights): a peer whose index differs from the
-group's weighted mean treats the round as failed and resyncs, as below. So does a peer for which
-a part of the all-reduce was not averaged (it keeps its own values there).
-
-A peer that finds itself alone (the progress tracker sees no other peer) applies the outer step to
-its own pseudo-gradient at once instead of waiting ``averaging_timeout`` for a group. A round that
-fails while other peers are around leaves the anchors possibly out of step: the peer applies the
-outer step to its local pseudo-gradient and downloads the state from peers at its next step; this
-is the library's one rule for failed rounds (:func:`hivemind_ext.optim.rounds.after_failed_round`),
-which the runner applies, and which this implementation also applies to misaligned rounds.
+peers' round index (one uncompressed float, same weights). A peer whose index is below the group's
+weighted mean (it missed a round the others completed) takes no step and downloads the state from
+peers at its next step; a peer whose index is above it keeps its values and retries, as after a
+failed round (it is in line with the swarm; the average mixed in a stale pseudo-gradient).
 
 Peers must start from the same parameters (the same seed, or a state download), as with any
 gradient-averaging optimizer: DiLoCo averages differences, never the parameters themselves.
@@ -99,11 +106,16 @@ class DiLoCoImpl(AlgorithmImpl):
 
     - ``inner_steps``: inner optimizer steps taken (every ``step()`` but those that load state);
     - ``rounds``: outer steps applied, however they were computed;
-    - ``swarm_rounds`` / ``solo_rounds`` / ``failed_rounds``: outer steps on a swarm average / on
-      the local pseudo-gradient because no other peer was around / after a failed all-reduce;
+    - ``swarm_rounds`` / ``solo_rounds``: outer steps on a swarm average / on the local
+      pseudo-gradient because no other peer was around (also after a failed round);
+    - ``failed_rounds``: rounds that failed or mixed round indices (no outer step: this peer retried
+      at the next round's end, or downloaded the state if it was behind);
     - ``contributing_rounds``: swarm rounds this peer contributed to with a nonzero weight;
     - ``state_loads``: training states downloaded from peers (late join, catch-up, resync).
     """
+
+    #: a failed round is retried (the anchors stay in step): no state download (see the module doc)
+    resync_after_failed_round = False
 
     def __init__(self, context: AlgorithmContext, algorithm: DiLoCo) -> None:
         super().__init__(context)
@@ -126,6 +138,7 @@ class DiLoCoImpl(AlgorithmImpl):
         self.samples_in_round = 0
         self.contributing = True  # False from a state download to the end of that round
         self._round_ok: bool | None = None
+        self._stepped = False  # whether the last round ended with an outer step
         self.inner_steps = 0
         self.rounds = 0
         self.swarm_rounds = 0
@@ -134,7 +147,9 @@ class DiLoCoImpl(AlgorithmImpl):
         self.contributing_rounds = 0
         self.state_loads = 0
         self.last_group_size = 0
-        #: (swarm round index after the step, how it was computed, this peer's weight) per outer step
+        #: per round: (swarm round index after it, how it ended, this peer's weight, group size); how
+        #: it ended: "swarm" / "solo" (outer steps), "retry" (failed or ahead of the group: no step),
+        #: "behind" (the group was at a later round: no step, a state download)
         self.history: deque[tuple[int, str, float, int]] = deque(maxlen=1000)
 
     # ----- what and how
@@ -183,18 +198,14 @@ class DiLoCoImpl(AlgorithmImpl):
         self.inner_steps += 1
 
     def should_communicate(self) -> bool:
-        if self.steps_in_round < self.algorithm.inner_steps:
+        # every H inner steps since the anchor (after a failed round: 2H, 3H, ..., in step with the others)
+        if self.steps_in_round < self.algorithm.inner_steps or self.steps_in_round % self.algorithm.inner_steps:
             return False
         if self._peers() <= 1:
             # alone: a round could only time out; step on the local pseudo-gradient now
             with self._lock:
-                with torch.no_grad():
-                    for anchor, param, pg in zip(self.anchor, self._params, self.pseudo_grads, strict=True):
-                        torch.sub(anchor, param.detach().float(), out=pg)
-                self._outer_step(self.pseudo_grads)
+                self._solo_step()
                 self._state.copy_to_model()
-            self.solo_rounds += 1
-            self.history.append((self.round_index, "solo", float(self.samples_in_round), 1))
             self._end_round()
             return False
         self._round_ok = None
@@ -214,24 +225,42 @@ class DiLoCoImpl(AlgorithmImpl):
         self._round_ok = succeeded
 
     def optimizer_step(self) -> None:
-        """The outer step (the runner holds the state lock and publishes the parameters after it)."""
-        aligned = round(float(self.round_check.item())) == self.round_index
-        self._outer_step(self.pseudo_grads)
-        if self._round_ok and aligned:
+        """The outer step after a round that averaged with peers of this round index; otherwise none
+        (the runner holds the state lock and publishes the parameters after it)."""
+        offset = round_offset(float(self.round_check.item()), self.round_index) if self._round_ok else 0
+        weight, group = self.round_weight(), self.last_group_size
+        self._stepped = False
+        if self._round_ok and offset == 0:
+            self._outer_step(self.pseudo_grads)
+            self._stepped = True
             self.swarm_rounds += 1
             if self.contributing:
                 self.contributing_rounds += 1
-            kind = "swarm"
-        else:
-            # a failed round, or one where most of the weight came from peers at another round index
-            # (this peer slipped into the group of a later round): the anchors may now differ
-            self.failed_rounds += 1
+            self.history.append((self.round_index, "swarm", weight, group))
+            return
+        self.failed_rounds += 1
+        if offset < 0:
+            # the group was at a later round: this peer missed one that the others completed; the
+            # download replaces the anchor, momentum, phase and parameters
             self.context.request_resync()
-            kind = "failed" if not self._round_ok else "misaligned"
-        self.history.append((self.round_index, kind, self.round_weight(), self.last_group_size))
+            self.history.append((self.round_index, "behind", weight, group))
+            logger.log(
+                self.context.status_loglevel, f"the group was past round {self.round_index}: downloading its state"
+            )
+        elif self._peers() > 1:
+            # failed, or this peer is ahead of (some of) the group: keep the anchor and retry at the next
+            # round's end with the pseudo-gradient since the anchor. A peer that joined this round (weight
+            # 0) contributes to the retry: its pseudo-gradient also starts from the anchor (it counts its
+            # donor's inner steps before the download twice, a bias of one round, not a divergence)
+            self.contributing = True
+            self.history.append((self.round_index, "retry", weight, group))
+            logger.log(self.context.status_loglevel, f"round {self.round_index} did not average: retrying at the next")
+        else:
+            self._solo_step()  # the others are gone: no one to retry with
 
     def on_optimizer_step(self) -> None:
-        self._end_round()
+        if self._stepped:
+            self._end_round()
 
     def on_state_loaded(self) -> None:
         """The anchor, momentum and phase were overwritten in place with a peer's: adopt its phase
@@ -242,6 +271,16 @@ class DiLoCoImpl(AlgorithmImpl):
         self.state_loads += 1
 
     # ----- the outer step
+
+    def _solo_step(self) -> None:
+        """The outer step on this peer's own pseudo-gradient (the caller holds the state lock)."""
+        with torch.no_grad():
+            for anchor, param, pg in zip(self.anchor, self._params, self.pseudo_grads, strict=True):
+                torch.sub(anchor, param.detach().float(), out=pg)
+        self._outer_step(self.pseudo_grads)
+        self._stepped = True
+        self.solo_rounds += 1
+        self.history.append((self.round_index, "solo", float(self.samples_in_round), 1))
 
     def _outer_step(self, pseudo_grads: Sequence[torch.Tensor]) -> None:
         alg = self.algorithm
@@ -273,3 +312,15 @@ class DiLoCoImpl(AlgorithmImpl):
 
     def _peers(self) -> int:
         return int(self.context.tracker.global_progress.num_trainers)
+
+
+def round_offset(group_mean: float, round_index: int) -> int:
+    """-1, 0 or 1: whether this peer's round index is below, at or above the group's weighted mean of
+    round indices (a float32 average of integers: equal within its rounding error, not ``round()``,
+    which would put a group of rounds 5 and 6 (mean 5.5) at round 6)."""
+    tolerance = 1e-3 + 1e-6 * abs(round_index)
+    if group_mean < round_index - tolerance:
+        return 1
+    if group_mean > round_index + tolerance:
+        return -1
+    return 0
