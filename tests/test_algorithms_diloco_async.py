@@ -411,7 +411,9 @@ def test_dead_peer_does_not_stop_the_others(algorithm_name):
                 opt.shutdown()
     for index in (0, 1):
         assert rounds(index) > rounds_at_death[index], (algorithm_name, index, rounds_at_death)
-        assert test_loss(models[index]) < 0.1
+        impl = opts[index].algorithm_impl
+        details = (list(impl.history), impl.state_loads) if isinstance(impl, DiLoCoImpl) else impl.rounds
+        assert test_loss(models[index]) < 0.1, (index, test_loss(models[index]), details)
     assert elapsed < 80
 
 

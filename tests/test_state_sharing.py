@@ -323,6 +323,25 @@ async def test_download_is_spread_over_donors_of_the_same_version(network: Netwo
 
 
 @pytest.mark.timeout(60)
+@in_loop
+async def test_a_donor_slower_to_answer_than_the_transfer_takes_still_serves_its_share(network: Network) -> None:
+    async with network.view() as peers:
+        state = make_state(24)
+        fast = await peers.donor(A, state, version=4)
+        slow = await peers.donor(B, state, version=4, hooks=SlowDonor(manifest_delay=0.3))  # a donor busy a moment
+        await peers.advertised(2)
+        loaded = await peers.loader().load_state(timeout=30)
+        assert loaded is not None
+        assert_same_state(loaded, state)
+        # the manifests are gathered before the transfer starts: A alone would have sent every chunk by 0.3 s
+        assert fast.stats.chunks_served > 0 and slow.stats.chunks_served > 0, (fast.stats, slow.stats)
+        assert loaded.chunks_by_donor == {
+            peers.peer(A): fast.stats.chunks_served,
+            peers.peer(B): slow.stats.chunks_served,
+        }
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("fault", "message"),
     [("corrupt", "digest mismatch"), ("short_payload", "payload bytes"), ("end_stream", "chunks missing")],

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hivemind_ext.averaging.state_sharing.config import StateSharingConfig
-from hivemind_ext.averaging.state_sharing.download import ChunkPool
+from hivemind_ext.averaging.state_sharing.download import ChunkPool, agreeing_reference
 from hivemind_ext.averaging.state_sharing.manifest import (
     FORMAT,
     CorruptStateError,
@@ -361,6 +361,18 @@ def test_chunk_pool_hands_out_by_budget_and_takes_back_in_order() -> None:
     assert pool.finished and pool.pending == 0 and pool.release("b") == 0
 
 
+def test_the_largest_group_of_agreeing_manifests_fixes_the_download() -> None:
+    def manifest(version: int, chunk_bytes: int = 256) -> Manifest:
+        return prepare_state(sample_state(), version, NoCompression(), chunk_bytes).manifest
+
+    a5, b6, c6, d5 = manifest(5), manifest(6), manifest(6), manifest(5, chunk_bytes=128)
+    assert agreeing_reference([a5]) is a5
+    assert agreeing_reference([a5, b6, c6]) is b6  # two donors agree on version 6
+    assert agreeing_reference([a5, b6]) is b6  # one each: the newer version
+    assert agreeing_reference([a5, d5, manifest(5)]) is a5  # same version, another chunk layout: outvoted
+    assert agreeing_reference([d5, a5]) is d5  # a tie of one layout each within a version: the first
+
+
 # ----- the donor's snapshot cache
 
 
@@ -403,6 +415,35 @@ def test_snapshot_cache_takes_one_snapshot_for_concurrent_requests_and_reuses_it
         assert getter.calls == 2 and newer.version == 2 and cache.snapshots_taken == 2
 
     run_with_cache(test)
+
+
+class InlineExecutor(concurrent.futures.Executor):
+    """Runs each job at once in the submitting thread, so a snapshot is finished before the request
+    that started it waits for it: what a fast snapshot on a loaded machine does now and then."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+
+@pytest.mark.timeout(30)
+def test_snapshot_cache_counts_a_snapshot_before_serving_it_even_when_it_finished_first() -> None:
+    async def test() -> None:
+        cache = SnapshotCache(
+            Getter(), codec=NoCompression(), chunk_bytes=256, reuse_time=60.0, executor=InlineExecutor()
+        )
+        deadline = asyncio.get_running_loop().time() + 10
+        first = await cache.get(1, snapshot_timeout=5, deadline=deadline)
+        assert cache.snapshots_taken == 1  # counted when served, not one loop iteration later
+        assert await cache.get(1, snapshot_timeout=5, deadline=deadline) is first
+        newer = await cache.get(2, snapshot_timeout=5, deadline=deadline)
+        assert newer.version == 2 and cache.snapshots_taken == 2
+
+    asyncio.run(test())
 
 
 @pytest.mark.timeout(30)

@@ -52,6 +52,10 @@ class StateSharingConfig:
     :param manifest_timeout: bound on connecting to a donor and receiving its manifest (which
         includes the donor's snapshot and encoding time).
     :param max_parallel_donors: donors of the newest version downloaded from at once.
+    :param manifest_gather_time: after the first donor's manifest, how long the other donors asked
+        at once get to answer before the first chunk is requested (or as long as the first one took,
+        if that was longer), so that the download is spread over all of them from the start; the
+        wait ends as soon as every donor asked has answered.
     :param inflight_bytes: raw bytes requested from one donor and not yet received; enough to keep
         its uplink busy across a round trip.
     :param busy_retry_delay: when every donor answered "busy", ask again after this pause (while
@@ -72,6 +76,7 @@ class StateSharingConfig:
     next_chunk_timeout: float = 10.0
     manifest_timeout: float = 15.0
     max_parallel_donors: int = 3
+    manifest_gather_time: float = 0.5
     inflight_bytes: int = 16 * 1024 * 1024
     busy_retry_delay: float = 0.5
     max_state_bytes: int = 2**40
@@ -104,6 +109,7 @@ class StateSharingConfig:
             "dht_timeout",
             "next_chunk_timeout",
             "manifest_timeout",
+            "manifest_gather_time",
             "busy_retry_delay",
         ):
             value = getattr(self, name)

@@ -5,8 +5,14 @@ How one download goes (:meth:`StateLoader.load_state`):
 1. Read the donor records of the prefix (:mod:`.records`) and group the donors that accept
    downloads by version, newest first. No such donor: return ``None`` (like hivemind).
 2. For the newest version, ask up to ``max_parallel_donors`` of its donors for their manifest at
-   once. The first valid manifest fixes what is downloaded (version, tensors, chunk layout, metadata);
-   a later donor joins if its layout matches, and is dropped otherwise.
+   once, and gather their answers before any chunk is requested: until every donor asked has
+   answered (a manifest or a failure), or for ``manifest_gather_time`` after the first manifest
+   (longer if that first one took longer to come: a loaded swarm answers slowly all round). The
+   largest group of gathered manifests that agree (same version, tensors and chunk ranges) fixes
+   what is downloaded, and every donor of that group takes part from the first chunk; the others
+   are dropped. Without the gathering, the first donor to answer would take every chunk of a small
+   state before a slower donor's manifest arrives. A donor that answers after the gathering joins
+   the transfer if its layout matches, and is dropped otherwise.
 3. Every donor that joined pulls chunks from one shared pool (:class:`ChunkPool`) and keeps
    ``inflight_bytes`` requested ahead, so a fast donor serves more chunks than a slow one. Each chunk is
    checked against the manifest of the donor that sent it (size, shape, dtype, SHA-256) and decoded
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -276,6 +283,7 @@ class _TierDownload:
         self.config, self.client = loader.config, loader.client
         self.expected_tensors = expected_tensors
         self.version, self.deadline, self.started = version, deadline, started
+        self.tier_started = now()
         self.candidates = collections.deque(donors)
         self.reference: Manifest | None = None
         self.pool: ChunkPool | None = None
@@ -287,6 +295,9 @@ class _TierDownload:
         self._workers: set[asyncio.Task[None]] = set()
         self._pulling: set[asyncio.Task[Any]] = set()  # workers whose donor's manifest was adopted
         self._finished = asyncio.Event()
+        self._gathered_manifests: list[Manifest] = []  # valid manifests received before the transfer starts
+        self._gather_deadline: float | None = None  # set by the first manifest
+        self._gathered = asyncio.Event()  # set once the reference is chosen
 
     async def run(self) -> LoadedState:
         async with self._owner:
@@ -335,6 +346,7 @@ class _TierDownload:
             self._workers.discard(asyncio.current_task())  # type: ignore[arg-type]
             if not self._owner.closing:
                 self._start_donors()
+                self._check_gathered()  # the failed donor no longer keeps the others waiting
 
     async def _session(self, donor: str) -> None:
         connect_deadline = min(self.deadline, now() + self.config.manifest_timeout)
@@ -345,25 +357,52 @@ class _TierDownload:
         )
         async with stream:
             manifest = await _fetch_manifest(stream, donor, connect_deadline, self.config.max_state_bytes)
+            if manifest.version < self.version:
+                raise DonorMismatchError(f"{donor} advertised version {self.version} but serves {manifest.version}")
+            if self.expected_tensors is not None:
+                check_expected_tensors(manifest.tensors, self.expected_tensors)
+            if not self._gathered.is_set():
+                await self._gather(manifest)
             self._adopt(donor, manifest)
             self._pulling.add(asyncio.current_task())  # type: ignore[arg-type]  # always inside a task
             await self._pull_chunks(donor, stream, manifest)
             await _finish_stream(stream, min(self.deadline, now() + FINISH_GRACE))
 
+    async def _gather(self, manifest: Manifest) -> None:
+        """Waits (bounded) for the other donors asked to answer too, so that the transfer starts with
+        every agreeing donor at once (step 2 of the module docstring)."""
+        self._gathered_manifests.append(manifest)
+        if self._gather_deadline is None:
+            waited = now() - self.tier_started
+            self._gather_deadline = now() + max(self.config.manifest_gather_time, waited)
+        self._check_gathered()
+        with contextlib.suppress(DeadlineExceededError):
+            await wait_until(self._gathered.wait(), min(self.deadline, self._gather_deadline), "gathering manifests")
+        self._choose_reference()
+
+    def _check_gathered(self) -> None:
+        """Ends the gathering once every donor at work has sent its manifest (the others failed)."""
+        if self._gathered_manifests and not self._gathered.is_set():
+            if len(self._gathered_manifests) >= len(self._workers):
+                self._choose_reference()
+
+    def _choose_reference(self) -> None:
+        if self._gathered.is_set():
+            return
+        self._gathered.set()
+        manifest = agreeing_reference(self._gathered_manifests)
+        self.reference = manifest
+        self.outputs = [torch.empty(spec.shape, dtype=spec.dtype) for spec in manifest.tensors]
+        self.flat_outputs = [output.view(-1) for output in self.outputs]
+        self.pool = ChunkPool([manifest.raw_chunk_bytes(index) for index in range(len(manifest.chunks))])
+        if self.pool.finished:  # a state without tensor elements
+            self._finished.set()
+
     def _adopt(self, donor: str, manifest: Manifest) -> None:
-        """The first valid manifest fixes what is downloaded; later donors must match its layout."""
-        if self.expected_tensors is not None:
-            check_expected_tensors(manifest.tensors, self.expected_tensors)
+        """A donor takes part if its manifest matches the layout of the chosen reference."""
         if self.reference is None:
-            if manifest.version < self.version:
-                raise DonorMismatchError(f"{donor} advertised version {self.version} but serves {manifest.version}")
-            self.reference = manifest
-            self.outputs = [torch.empty(spec.shape, dtype=spec.dtype) for spec in manifest.tensors]
-            self.flat_outputs = [output.view(-1) for output in self.outputs]
-            self.pool = ChunkPool([manifest.raw_chunk_bytes(index) for index in range(len(manifest.chunks))])
-            if self.pool.finished:  # a state without tensor elements
-                self._finished.set()
-        elif manifest.layout() != self.reference.layout():
+            raise RuntimeError("no reference manifest after the gathering")  # a bug, not bad input
+        if manifest.layout() != self.reference.layout():
             raise DonorMismatchError(
                 f"{donor} serves version {manifest.version} laid out differently from version {self.reference.version}"
             )
@@ -469,6 +508,16 @@ def check_expected_tensors(theirs: Sequence[TensorSpec], expected: Sequence[Tens
             raise RunMismatchError(
                 f"tensor {index}: shape {tuple(mine.shape)} here, {tuple(donor.shape)} in the donor's state"
             )
+
+
+def agreeing_reference(manifests: Sequence[Manifest]) -> Manifest:
+    """The manifest that fixes a download: one of the largest group of ``manifests`` that agree on
+    their layout (version, tensors, chunk ranges), the newer version between groups of one size,
+    and the first to arrive within a group."""
+    groups: dict[tuple[Any, ...], list[Manifest]] = {}
+    for manifest in manifests:
+        groups.setdefault(manifest.layout(), []).append(manifest)
+    return max(groups.values(), key=lambda group: (len(group), group[0].version))[0]
 
 
 async def _fetch_manifest(stream: ClientStream, donor: str, deadline: float, max_state_bytes: int) -> Manifest:

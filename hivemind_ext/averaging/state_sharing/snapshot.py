@@ -220,6 +220,10 @@ class SnapshotCache:
             if not job.taken.is_set():
                 return _last_or_busy(last, version, snapshot_timeout)
             prepared = await wait_until(asyncio.shield(job.result), deadline, "encoding the state")
+            # awaiting a result that was already set does not yield, so the job's done-callback may
+            # not have run: apply it now, so that the cache's books (the last snapshot, the count)
+            # include what this request is served when it returns
+            self._finish(job, job.result)
             if prepared.version >= version:
                 return prepared
         return prepared if prepared is not None else _last_or_busy(self._last, version, snapshot_timeout)
