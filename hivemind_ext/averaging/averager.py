@@ -114,6 +114,8 @@ class DecentralizedAverager:
       that declare the same one (or none); see ``MatchmakingConfig.fingerprint``
     :param require_agreement: download a state only if several donors serve it bitwise identical
       (see ``StateSharingConfig.require_agreement``); for peers whose states should be identical
+    :param reject_non_finite_state: a downloaded chunk holding NaN or Inf bans its donor (see
+      ``StateSharingConfig.reject_non_finite``)
     """
 
     def __init__(
@@ -148,6 +150,7 @@ class DecentralizedAverager:
         direct_data_path: str | None = None,
         fingerprint: str = "",
         require_agreement: bool = False,
+        reject_non_finite_state: bool = False,
     ):
         del min_vector_size, daemon  # hivemind internals with no meaning here
         self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
@@ -203,6 +206,7 @@ class DecentralizedAverager:
             declare_state_period=declare_state_period,
             snapshot_reuse_time=0.0,  # like hivemind: get_current_state once per download, a copy as of it
             require_agreement=require_agreement,
+            reject_non_finite=reject_non_finite_state,
         )
         self._allow_state_sharing = allow_state_sharing
         self._state_sharing_priority = 0

@@ -50,6 +50,7 @@ class TrainingStateAverager(DecentralizedAverager):
         self.state_lock = state_lock
         self.state_bounds = state_bounds if state_bounds is not None else StateBounds()
         self.swarm_epoch = swarm_epoch
+        kwargs.setdefault("reject_non_finite_state", True)  # a training state is finite (see check_snapshot)
         with state_lock:
             training_state.ensure_statistics()
             live = training_state.averaged_tensors()

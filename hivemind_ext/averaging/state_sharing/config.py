@@ -70,6 +70,9 @@ class StateSharingConfig:
       as in hivemind.
     :param bad_donor_cooldown: a donor whose state failed validation, or that sent a corrupt
       manifest or chunk, is not asked again by this loader for this many seconds.
+    :param reject_non_finite: a chunk whose floating-point values hold NaN or Inf is corrupt: its
+      donor is dropped and banned, and the chunk is downloaded from another donor (for training
+      states, which must be finite; off by default, as a generic averager may share anything).
     :param disagreement_retries: with ``require_agreement``, how many times the search starts again
       when no version had agreeing donors (honest donors may differ for a moment around an epoch's end).
     """
@@ -92,6 +95,7 @@ class StateSharingConfig:
     busy_retry_delay: float = 0.5
     max_state_bytes: int = 2**40
     require_agreement: bool = False
+    reject_non_finite: bool = False
     bad_donor_cooldown: float = 300.0
     disagreement_retries: int = 3
 
@@ -99,7 +103,7 @@ class StateSharingConfig:
         if not isinstance(self.prefix, str) or not self.prefix:
             raise ConfigurationError(f"prefix must be a non-empty string, got {self.prefix!r}")
         protocol_name(self.rpc_namespace, LOAD_STATE_HANDLER)  # the prefix must fit a libp2p protocol id
-        for name in ("allow_state_sharing", "require_agreement"):
+        for name in ("allow_state_sharing", "require_agreement", "reject_non_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.client_mode is not None and not isinstance(self.client_mode, bool):

@@ -620,6 +620,8 @@ class _TierDownload:
             values = decompress(chunk)
         except CompressionError as e:
             raise CorruptStateError(f"chunk {index} cannot be decoded: {e}") from None
+        if self.config.reject_non_finite and values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            raise CorruptStateError(f"chunk {index} holds NaN or Inf")
         self.flat_outputs[spec.tensor][spec.start : spec.end].copy_(values)
 
 
