@@ -202,6 +202,8 @@ def test_a_joiner_refuses_a_hostile_donors_state_and_never_spreads_it(
         train_together([*honest, hostile], until_epoch=2)
         hostile_donors[id(hostile.opt.state_averager)] = mode
         swarm_epoch = max(t.opt.local_epoch for t in (*honest, hostile))
+        if mode in ("epoch", "nan"):  # it also advertises a newer version than anyone: asked first
+            hostile.opt.state_averager.state_sharing_priority = 10**9 if mode == "epoch" else swarm_epoch + 1
         newcomer = join(dhts[3], optimizers, run_id, swarm_epoch)
         newcomer.step_once(torch.Generator().manual_seed(3))  # the first step downloads the state
         assert_honest(newcomer, honest[0])
@@ -232,6 +234,7 @@ def test_without_agreement_a_nan_donor_is_dropped_and_the_joiner_reaches_the_swa
         train_together([*honest, hostile], until_epoch=2)
         hostile_donors[id(hostile.opt.state_averager)] = "nan"
         swarm_epoch = max(t.opt.local_epoch for t in (*honest, hostile))
+        hostile.opt.state_averager.state_sharing_priority = swarm_epoch + 1  # asked first, alone
         newcomer = join(dhts[3], optimizers, run_id, swarm_epoch, **options)
         newcomer.step_once(torch.Generator().manual_seed(3))
         assert_honest(newcomer, honest[0])
