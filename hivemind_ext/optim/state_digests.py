@@ -12,6 +12,9 @@ so a joiner can compare a downloaded state with the digest the group agreed on (
 
 Cost per epoch: one copy of the state to host memory under the state lock (what serving a newcomer
 costs too), then hashing and one DHT store and get in a worker thread, off the training path.
+Measured on a loaded 2-core CPU host (Adam, so the state is 3x the parameters): 1M parameters
+(12 MB) copy 14 ms, SHA-256 42 ms; 10M parameters (120 MB) copy 226 ms, SHA-256 135 ms (best of 5).
+Only synchronous training publishes (see :mod:`.state_trust`).
 Records are not signed (like donor records): a hostile peer can publish digests, but a majority
 needs at least 2 agreeing subkeys and more than half of those published, and the worst a fake
 majority can do is make a peer download the state (which is itself checked) once per epoch.

@@ -74,7 +74,9 @@ class StateSharingConfig:
       donor is dropped and banned, and the chunk is downloaded from another donor (for training
       states, which must be finite; off by default, as a generic averager may share anything).
     :param disagreement_retries: with ``require_agreement``, how many times the search starts again
-      when no version had agreeing donors (honest donors may differ for a moment around an epoch's end).
+      when no version had agreeing donors (honest donors may differ for a moment around an epoch's
+      end, or be busy averaging). On the last try, a version whose only answering donor was not
+      contradicted by another (the others were busy or unreachable) is downloaded.
     """
 
     prefix: str

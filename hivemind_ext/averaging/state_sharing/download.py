@@ -29,7 +29,9 @@ How one download goes (:meth:`StateLoader.load_state`):
 Trust (see also the package docstring). With ``require_agreement`` (synchronous training, where
 honest peers hold bitwise identical states), step 2 groups the manifests by their content digest
 instead of their layout, and a version is downloaded only if its largest group holds at least 2
-donors and more than half of those that answered (unless the swarm lists a single donor). A
+donors and more than half of those that answered (unless the swarm lists a single donor, or, on
+the last of ``disagreement_retries`` tries, a single donor answered and the others were busy or
+unreachable: no answer contradicted it). A
 downloaded state is then passed to the caller's ``validate`` (range checks of the values); a state
 it refuses, a corrupt manifest or chunk and a lie about the version put the donors responsible on
 a cool-down list (``bad_donor_cooldown``) that every later search of this loader skips, and the
@@ -283,11 +285,12 @@ class StateLoader:
                 logger.info("no peer shares the state of %s", self.config.prefix)
                 return None
             quorum = self.config.require_agreement and sum(len(donors) for _, donors in tiers) >= 2
+            lone_ok = disagreements >= self.config.disagreement_retries  # the last try: see _choose_reference
             round_failures: dict[str, BaseException] = {}
             refused = False
             for version, donors in tiers:
                 try:
-                    tier = _TierDownload(self, version, donors, deadline, started, expected_tensors, quorum)
+                    tier = _TierDownload(self, version, donors, deadline, started, expected_tensors, quorum, lone_ok)
                     loaded = await tier.run()
                 except _TierFailed as failed:
                     mismatches = [e for e in failed.failures.values() if isinstance(e, RunMismatchError)]
@@ -372,9 +375,10 @@ class _TierDownload:
         started: float,
         expected_tensors: Sequence[TensorSpec] | None = None,
         quorum: bool = False,
+        lone_ok: bool = False,
     ) -> None:
         self.config, self.client = loader.config, loader.client
-        self.expected_tensors, self.quorum = expected_tensors, quorum
+        self.expected_tensors, self.quorum, self.lone_ok = expected_tensors, quorum, lone_ok
         self.version, self.deadline, self.started = version, deadline, started
         self.tier_started = now()
         self.candidates = collections.deque(donors)
@@ -500,6 +504,11 @@ class _TierDownload:
         self._gathered.set()
         if self.quorum:
             agreed = agreed_content(self._gathered_manifests)
+            if agreed is None and self.lone_ok and len(self._gathered_manifests) == 1:
+                # the other donors were busy or unreachable on every try, none contradicted this one:
+                # believe it (its state is still validated) rather than make the newcomer wait for
+                # donors busy averaging (hivemind issues 169, 445)
+                agreed = self._gathered_manifests[0]
             if agreed is None:
                 digests = collections.Counter(m.content_digest.hex()[:12] for m in self._gathered_manifests)
                 self._disagreement = DisagreeingDonorError(
