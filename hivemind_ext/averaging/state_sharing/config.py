@@ -75,8 +75,9 @@ class StateSharingConfig:
       states, which must be finite; off by default, as a generic averager may share anything).
     :param disagreement_retries: with ``require_agreement``, how many times the search starts again
       when no version had agreeing donors (honest donors may differ for a moment around an epoch's
-      end, or be busy averaging). On the last try, a version whose only answering donor was not
-      contradicted by another (the others were busy or unreachable) is downloaded.
+      end, or be busy averaging). The last try takes the largest group of agreeing donors even
+      without a majority (see :mod:`.download`), so that honest peers that diverged never lock
+      newcomers out.
     """
 
     prefix: str

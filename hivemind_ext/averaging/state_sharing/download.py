@@ -29,9 +29,10 @@ How one download goes (:meth:`StateLoader.load_state`):
 Trust (see also the package docstring). With ``require_agreement`` (synchronous training, where
 honest peers hold bitwise identical states), step 2 groups the manifests by their content digest
 instead of their layout, and a version is downloaded only if its largest group holds at least 2
-donors and more than half of those that answered (unless the swarm lists a single donor, or, on
-the last of ``disagreement_retries`` tries, a single donor answered and the others were busy or
-unreachable: no answer contradicted it). A
+donors and more than half of those that answered (unless the swarm lists a single donor). When no
+version has such a majority on any of ``disagreement_retries`` tries (the other donors busy, or
+honest peers that differ after a failed round), the last try takes the largest group (a warning
+says so): only its donors serve, and its state is still validated. A
 downloaded state is then passed to the caller's ``validate`` (range checks of the values); a state
 it refuses, a corrupt manifest or chunk and a lie about the version put the donors responsible on
 a cool-down list (``bad_donor_cooldown``) that every later search of this loader skips, and the
@@ -130,7 +131,9 @@ class LoadedState:
     chunks_by_donor: dict[str, int]  # base58 peer id -> chunks it served
     failures: dict[str, BaseException]  # base58 peer id -> why it was dropped
     seconds: float
-    agreeing: tuple[str, ...] = ()  # the donors whose manifests described this very state
+    # the donors that vouched for this very state: with agreement, every donor whose manifest had its
+    # content digest; without, the donor whose manifest (and so metadata) was taken
+    agreeing: tuple[str, ...] = ()
 
 
 class ChunkPool:
@@ -285,12 +288,12 @@ class StateLoader:
                 logger.info("no peer shares the state of %s", self.config.prefix)
                 return None
             quorum = self.config.require_agreement and sum(len(donors) for _, donors in tiers) >= 2
-            lone_ok = disagreements >= self.config.disagreement_retries  # the last try: see _choose_reference
+            last_try = disagreements >= self.config.disagreement_retries  # see _TierDownload._choose_reference
             round_failures: dict[str, BaseException] = {}
             refused = False
             for version, donors in tiers:
                 try:
-                    tier = _TierDownload(self, version, donors, deadline, started, expected_tensors, quorum, lone_ok)
+                    tier = _TierDownload(self, version, donors, deadline, started, expected_tensors, quorum, last_try)
                     loaded = await tier.run()
                 except _TierFailed as failed:
                     mismatches = [e for e in failed.failures.values() if isinstance(e, RunMismatchError)]
@@ -308,7 +311,9 @@ class StateLoader:
                 rejection = await self._validate(loaded, validate, deadline)
                 if rejection is None:
                     return loaded
-                for donor in {*loaded.agreeing, *loaded.chunks_by_donor}:
+                # those who vouched for the content (with agreement: all its donors; without: the donor whose
+                # manifest, and so metadata, was taken; a bad chunk already dropped its donor)
+                for donor in loaded.agreeing or tuple(loaded.chunks_by_donor):
                     self.ban(donor, rejection)
                     failures[donor] = rejection
                 refused = True
@@ -375,10 +380,10 @@ class _TierDownload:
         started: float,
         expected_tensors: Sequence[TensorSpec] | None = None,
         quorum: bool = False,
-        lone_ok: bool = False,
+        last_try: bool = False,
     ) -> None:
         self.config, self.client = loader.config, loader.client
-        self.expected_tensors, self.quorum, self.lone_ok = expected_tensors, quorum, lone_ok
+        self.expected_tensors, self.quorum, self.last_try = expected_tensors, quorum, last_try
         self.version, self.deadline, self.started = version, deadline, started
         self.tier_started = now()
         self.candidates = collections.deque(donors)
@@ -504,11 +509,17 @@ class _TierDownload:
         self._gathered.set()
         if self.quorum:
             agreed = agreed_content(self._gathered_manifests)
-            if agreed is None and self.lone_ok and len(self._gathered_manifests) == 1:
-                # the other donors were busy or unreachable on every try, none contradicted this one:
-                # believe it (its state is still validated) rather than make the newcomer wait for
-                # donors busy averaging (hivemind issues 169, 445)
-                agreed = self._gathered_manifests[0]
+            if agreed is None and self.last_try:
+                # no majority on any try: the other donors were busy (hivemind issues 169, 445), or
+                # honest peers themselves differ (a round that some missed). Take the largest group
+                # (the first to answer if all differ): only its donors serve, and its state is validated
+                agreed = largest_content_group(self._gathered_manifests)
+                logger.warning(
+                    "no majority of donors agrees on the state of version %d (%d answered): trusting the "
+                    "largest group (%d), range checks only",
+                    self.version, len(self._gathered_manifests),
+                    sum(m.content_digest == agreed.content_digest for m in self._gathered_manifests),
+                )  # fmt: skip
             if agreed is None:
                 digests = collections.Counter(m.content_digest.hex()[:12] for m in self._gathered_manifests)
                 self._disagreement = DisagreeingDonorError(
@@ -519,6 +530,7 @@ class _TierDownload:
             manifest = agreed
         else:
             manifest = agreeing_reference(self._gathered_manifests)
+            self.agreeing.append(self._gathered_donors[self._gathered_manifests.index(manifest)])
         self.reference = manifest
         self.outputs = [torch.empty(spec.shape, dtype=spec.dtype) for spec in manifest.tensors]
         self.flat_outputs = [output.view(-1) for output in self.outputs]
@@ -659,13 +671,20 @@ def agreeing_reference(manifests: Sequence[Manifest]) -> Manifest:
 def agreed_content(manifests: Sequence[Manifest]) -> Manifest | None:
     """With ``require_agreement``: the first manifest of the largest group of ``manifests`` with one
     content digest, if that group holds at least 2 of them and more than half; else None."""
+    if not manifests:
+        return None
+    best = largest_content_group(manifests)
+    count = sum(manifest.content_digest == best.content_digest for manifest in manifests)
+    return best if count >= 2 and 2 * count > len(manifests) else None
+
+
+def largest_content_group(manifests: Sequence[Manifest]) -> Manifest:
+    """The first manifest of the largest group of ``manifests`` with one content digest (the newer
+    version between groups of one size, the first to arrive within)."""
     groups: dict[bytes, list[Manifest]] = {}
     for manifest in manifests:
         groups.setdefault(manifest.content_digest, []).append(manifest)
-    if not groups:
-        return None
-    best = max(groups.values(), key=lambda group: (len(group), group[0].version))
-    return best[0] if len(best) >= 2 and 2 * len(best) > len(manifests) else None
+    return max(groups.values(), key=lambda group: (len(group), group[0].version))[0]
 
 
 async def _fetch_manifest(stream: ClientStream, donor: str, deadline: float, max_state_bytes: int) -> Manifest:
