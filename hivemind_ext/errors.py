@@ -81,6 +81,12 @@ class StateLoadError(HivemindExtError):
     """Downloading the state from peers failed or every transfer was corrupted."""
 
 
+class UntrustedStateError(StateLoadError):
+    """A downloaded state was refused: its values are out of range (non-finite tensors, an absurd
+    learning rate, epoch or step count), or donors do not agree on it. The donors that served it are
+    not asked again for a while."""
+
+
 class DonorBusyError(PeerUnreachableError):
     """A state donor turned a download down for now (all its download slots are taken, or its state
     is locked by averaging); the newcomer should ask another donor instead of waiting."""
@@ -102,4 +108,5 @@ __all__ = [
     "RemoteError",
     "RunMismatchError",
     "StateLoadError",
+    "UntrustedStateError",
 ]

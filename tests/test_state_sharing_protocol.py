@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hivemind_ext.averaging.state_sharing.config import StateSharingConfig
-from hivemind_ext.averaging.state_sharing.download import ChunkPool, agreeing_reference
+from hivemind_ext.averaging.state_sharing.download import ChunkPool, agreed_content, agreeing_reference
 from hivemind_ext.averaging.state_sharing.manifest import (
     FORMAT,
     CorruptStateError,
@@ -371,6 +371,27 @@ def test_the_largest_group_of_agreeing_manifests_fixes_the_download() -> None:
     assert agreeing_reference([a5, b6]) is b6  # one each: the newer version
     assert agreeing_reference([a5, d5, manifest(5)]) is a5  # same version, another chunk layout: outvoted
     assert agreeing_reference([d5, a5]) is d5  # a tie of one layout each within a version: the first
+
+
+def test_with_agreement_a_state_needs_two_donors_and_a_majority_by_content() -> None:
+    """The content digest ignores the snapshot id (a random label) and covers the metadata and every
+    chunk digest: two honest donors agree, a donor serving other values or metadata does not."""
+
+    def parsed(state: tuple[Any, list[torch.Tensor]], version: int = 5) -> Manifest:
+        prepared = prepare_state(state, version, NoCompression(), 256)
+        return parse_manifest(prepared.manifest_bytes, prepared.manifest_digest, max_state_bytes=1 << 30)
+
+    metadata, tensors = sample_state()
+    honest = [parsed((metadata, tensors)) for _ in range(3)]
+    scaled = parsed((metadata, [t * 57 if t.is_floating_point() else t for t in tensors]))
+    other_lr = parsed(({**metadata, "lr": 10000.0}, tensors))
+    assert honest[0].snapshot != honest[1].snapshot and honest[0].content_digest == honest[1].content_digest
+    assert scaled.content_digest != honest[0].content_digest != other_lr.content_digest
+    assert agreed_content([scaled, honest[0], honest[1]]) is honest[0]
+    assert agreed_content([honest[0], scaled]) is None  # one each: nobody is believed
+    assert agreed_content([honest[0]]) is None  # one donor is no agreement (the loader allows a lone donor)
+    assert agreed_content([honest[0], honest[1], scaled, other_lr]) is None  # 2 of 4 is no majority
+    assert agreed_content([honest[0], honest[1], honest[2], scaled, other_lr]) is honest[0]
 
 
 # ----- the donor's snapshot cache

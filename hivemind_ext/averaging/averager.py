@@ -112,6 +112,10 @@ class DecentralizedAverager:
       daemons' encryption and copies, which dominate the CPU cost of large rounds on fast links.
     :param fingerprint: the run's fingerprint digest: matchmaking groups this peer only with peers
       that declare the same one (or none); see ``MatchmakingConfig.fingerprint``
+    :param require_agreement: download a state only if several donors serve it bitwise identical
+      (see ``StateSharingConfig.require_agreement``); for peers whose states should be identical
+    :param reject_non_finite_state: a downloaded chunk holding NaN or Inf bans its donor (see
+      ``StateSharingConfig.reject_non_finite``)
     """
 
     def __init__(
@@ -145,6 +149,8 @@ class DecentralizedAverager:
         shutdown_timeout: float = 5,
         direct_data_path: str | None = None,
         fingerprint: str = "",
+        require_agreement: bool = False,
+        reject_non_finite_state: bool = False,
     ):
         del min_vector_size, daemon  # hivemind internals with no meaning here
         self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
@@ -199,6 +205,8 @@ class DecentralizedAverager:
             load_state_compression=self.state_compression,
             declare_state_period=declare_state_period,
             snapshot_reuse_time=0.0,  # like hivemind: get_current_state once per download, a copy as of it
+            require_agreement=require_agreement,
+            reject_non_finite=reject_non_finite_state,
         )
         self._allow_state_sharing = allow_state_sharing
         self._state_sharing_priority = 0
@@ -415,6 +423,11 @@ class DecentralizedAverager:
         manifest before anything is pulled (None: no check). Subclasses that know their state override it."""
         return None
 
+    def check_downloaded_state(self, metadata: Any, tensors: list[torch.Tensor]) -> None:
+        """Refuses a downloaded state (raises StateLoadError, e.g. UntrustedStateError) before it is
+        returned; the donors that served it are then skipped for a while and others are asked. Runs in
+        a worker thread. Subclasses that know their state override it (default: accept anything)."""
+
     def load_state_from_peers(
         self, wait: bool = True, timeout: float | None = None
     ) -> tuple[Any, list[torch.Tensor]] | None:
@@ -449,7 +462,7 @@ class DecentralizedAverager:
         assert self._loader is not None
         try:
             return await self._loader.load_state_from_peers(
-                timeout=timeout, expected_tensors=self.expected_state_tensors()
+                timeout=timeout, expected_tensors=self.expected_state_tensors(), validate=self.check_downloaded_state
             )
         except StateLoadError as e:
             logger.warning(f"could not download the state from peers: {e}")

@@ -53,6 +53,9 @@ from hivemind_ext.optim.progress_bar import make_progress_bar
 from hivemind_ext.optim.rounds import RoundDriver, RoundHooks, next_epoch
 from hivemind_ext.optim.run_guard import RunGuard
 from hivemind_ext.optim.state_averager import TrainingStateAverager
+from hivemind_ext.optim.state_checks import StateBounds
+from hivemind_ext.optim.state_digests import DigestBoard
+from hivemind_ext.optim.state_trust import make_digest_board, state_trust_options
 from hivemind_ext.optim.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ class Optimizer(torch.optim.Optimizer):
     ``progress``: a progress bar (True: on stderr; a text stream: on it; None: on stderr when ``verbose``
     and stderr is a terminal; see :mod:`hivemind_ext.optim.progress_bar`). ``verbose=True`` shows the status
     lines on stderr even when logging is not configured (see :mod:`hivemind_ext.logs`).
+    ``state_bounds``: what a downloaded state may hold (:class:`~hivemind_ext.optim.state_checks.StateBounds`;
+    see :mod:`hivemind_ext.optim.state_trust` for how downloads are trusted).
     ``metrics_period``: publish this peer's metrics (epoch, speed, role, rounds, traffic, and the losses
     given to :meth:`report_loss`) as a signed DHT record every that many seconds, for ``hivemind-ext monitor``.
     """
@@ -119,6 +124,7 @@ class Optimizer(torch.optim.Optimizer):
         round_hooks: RoundHooks | None = None,
         progress: bool | TextIO | None = None,
         metrics_period: float | None = None,
+        state_bounds: StateBounds | None = None,
     ) -> None:
         if not isinstance(dht, DHT):
             raise ConfigurationError(f"dht must be a running hivemind.DHT, got {type(dht).__name__}")
@@ -202,12 +208,14 @@ class Optimizer(torch.optim.Optimizer):
         self._blocked_seconds = 0.0  # time step() spent downloading the state (the engine counts its own)
         self._started: list[Any] = []  # what shutdown() must stop, in start order
         self.metrics_publisher: MetricsPublisher | None = None  # with metrics_period
+        self.state_digests: DigestBoard | None = None  # per-epoch state digests (see .state_trust)
         try:
             self._start_components(
                 state_averaging_compression,
                 load_state_compression,
                 dict(self.averager_opts),
                 {"fingerprint": self.fingerprint, **(tracker_opts or {})},
+                state_bounds,
             )
             #: plans this peer's rounds and waits on them (its algorithm's rounds)
             self.rounds = RoundDriver(
@@ -221,6 +229,8 @@ class Optimizer(torch.optim.Optimizer):
             self.progress_bar = make_progress_bar(progress, verbose=verbose, tracker=self.tracker, rounds=self.rounds)
             if self._aux is None:
                 self._start_algorithm(algorithm or GradientAllReduce(), grad_averager_factory)
+                self.state_digests = make_digest_board(self)
+                self._started.extend([self.state_digests] if self.state_digests is not None else [])
             if metrics_period is not None:
                 self.metrics_publisher = MetricsPublisher.for_optimizer(self, metrics_period)
                 self._started.append(self.metrics_publisher)
@@ -236,6 +246,7 @@ class Optimizer(torch.optim.Optimizer):
         load_state_compression: Any,
         averager_opts: dict[str, Any],
         tracker_opts: dict[str, Any],
+        state_bounds: StateBounds | None = None,
     ) -> None:
         config = self.config
         tracker_opts.setdefault("performance_ema_alpha", config.performance_ema_alpha)
@@ -265,7 +276,7 @@ class Optimizer(torch.optim.Optimizer):
                 compression=state_averaging_compression,
                 state_compression=load_state_compression,
                 allow_state_sharing=not config.client_mode and not config.auxiliary,
-                **common,
+                **state_trust_options(self, state_bounds, common),
             )
             self._started.append(self.state_averager)
             if config.auxiliary:
@@ -549,6 +560,8 @@ class Optimizer(torch.optim.Optimizer):
             self.state_manager.set_epoch(epoch)
         if before_announcing is not None:
             before_announcing()
+        if self.state_digests is not None:
+            self.state_digests.after_epoch(epoch)
         self._announce_epoch(epoch)
         swarm = self.tracker.global_progress
         logger.log(
@@ -603,6 +616,8 @@ class Optimizer(torch.optim.Optimizer):
                 self.state_manager.load(metadata, tensors)
                 if self._engine is not None:
                     self._engine.on_state_loaded()
+                if self.state_digests is not None:
+                    self.state_digests.forget()
         except StateLoadError as e:
             logger.warning(f"could not load the state from peers: {e}; keeping the local state")
             return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from hivemind_ext.averaging.delta import apply_average, take_snapshot
 from hivemind_ext.averaging.tensor_layout import TensorSpec
 from hivemind_ext.errors import HivemindExtError
 from hivemind_ext.optim.rounds import gathered_epochs
+from hivemind_ext.optim.state_checks import StateBounds, check_state_values
 from hivemind_ext.optim.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
@@ -32,10 +34,23 @@ logger = logging.getLogger(__name__)
 
 class TrainingStateAverager(DecentralizedAverager):
     def __init__(
-        self, training_state: TrainingState, *, dht: DHT, prefix: str, state_lock: threading.RLock, **kwargs: Any
+        self,
+        training_state: TrainingState,
+        *,
+        dht: DHT,
+        prefix: str,
+        state_lock: threading.RLock,
+        state_bounds: StateBounds | None = None,
+        swarm_epoch: Callable[[], int] | None = None,
+        **kwargs: Any,
     ) -> None:
+        """:param state_bounds: what a downloaded state may hold (see :mod:`.state_checks`)
+        :param swarm_epoch: the swarm's epoch as this peer sees it (bounds a downloaded epoch)"""
         self.training_state = training_state
         self.state_lock = state_lock
+        self.state_bounds = state_bounds if state_bounds is not None else StateBounds()
+        self.swarm_epoch = swarm_epoch
+        kwargs.setdefault("reject_non_finite_state", True)  # a training state is finite (see check_snapshot)
         with state_lock:
             training_state.ensure_statistics()
             live = training_state.averaged_tensors()
@@ -50,6 +65,18 @@ class TrainingStateAverager(DecentralizedAverager):
         TrainingState.snapshot): a donor whose state has other shapes trains another model."""
         state = self.training_state
         return [TensorSpec.of(t) for t in (*state.opt_params, *state.extra_tensors)]
+
+    def check_downloaded_state(self, metadata: Any, tensors: list[torch.Tensor]) -> None:
+        """Refuses a state that does not fit this optimizer, or holds values out of ``state_bounds``."""
+        state, bounds = self.training_state, self.state_bounds
+        state.check_snapshot(metadata, tensors)
+        max_epoch = None
+        if bounds.max_epochs_ahead is not None:
+            swarm = self.swarm_epoch() if self.swarm_epoch is not None else 0
+            max_epoch = max(swarm, state.epoch) + bounds.max_epochs_ahead
+        with self.state_lock:
+            groups = [dict(group) for group in state.optimizer.param_groups]
+        check_state_values(metadata, tensors, bounds=bounds, local_groups=groups, max_epoch=max_epoch)
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
         """What newcomers download: the whole training state (see TrainingState.snapshot)."""

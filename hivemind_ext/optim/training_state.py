@@ -175,7 +175,7 @@ class TrainingState:
 
     def load(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
         """Applies a snapshot from a peer; raises StateLoadError (changing nothing) if it does not fit."""
-        self._check_snapshot(metadata, tensors)
+        self.check_snapshot(metadata, tensors)
         n_params, n_extra = metadata["num_params"], metadata["num_extra"]
         try:
             local = self.optimizer.state_dict()
@@ -201,7 +201,8 @@ class TrainingState:
         self.functional = FunctionalOptimizer(self.optimizer)
         self.adopt_epoch(metadata["epoch"])
 
-    def _check_snapshot(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
+    def check_snapshot(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
+        """Raises StateLoadError if a downloaded snapshot does not fit this optimizer (or holds NaN/Inf)."""
         if not isinstance(metadata, dict) or metadata.get("format") != STATE_FORMAT:
             raise StateLoadError("the downloaded state is not a training state of this version")
         epoch = metadata.get("epoch")

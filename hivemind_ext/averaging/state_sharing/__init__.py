@@ -34,9 +34,13 @@ catching it). Per-donor failures are logged and listed in the error; a busy dono
 :class:`~hivemind_ext.errors.DonorBusyError` internally and the newcomer moves on.
 
 Trust: records and manifests are validated strictly and every chunk is checked against the digest
-its donor announced, which catches corrupted, truncated and mismatched transfers. It does not make
-a donor honest: a peer that advertises a high version and serves a consistent but wrong state is
-believed, as in hivemind.
+its donor announced, which catches corrupted, truncated and mismatched transfers. That alone does
+not make a donor honest (a consistent but wrong state passes). Three opt-in defences do, used by
+the Optimizer: ``require_agreement`` (a state is downloaded only if at least 2 donors, and more
+than half of those that answered, serve it bitwise identical: the manifest's content digest),
+``reject_non_finite`` (a chunk holding NaN or Inf drops its donor) and a ``validate`` callback of
+the caller (range checks); a donor caught serving a bad state or corrupt data is skipped for
+``bad_donor_cooldown`` seconds, so the same bad state is never downloaded on every attempt.
 """
 
 from hivemind_ext.averaging.state_sharing.config import StateSharingConfig

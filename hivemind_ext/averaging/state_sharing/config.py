@@ -61,6 +61,23 @@ class StateSharingConfig:
     :param busy_retry_delay: when every donor answered "busy", ask again after this pause (while
         the deadline allows) instead of failing.
     :param max_state_bytes: refuse a manifest that describes a larger state (before allocating it).
+    :param require_agreement: trust no single donor while others exist: of the manifests gathered
+      for a version, the largest group with the same content digest must hold at least 2 donors
+      and more than half of those that answered, or the version is not downloaded (the older
+      versions are tried next, then the search starts again after ``busy_retry_delay``, a few times).
+      A swarm with one donor is still believed (and the state it serves checked by ``validate``).
+      For runs whose peers hold bitwise identical states (synchronous training); off by default,
+      as in hivemind.
+    :param bad_donor_cooldown: a donor whose state failed validation, or that sent a corrupt
+      manifest or chunk, is not asked again by this loader for this many seconds.
+    :param reject_non_finite: a chunk whose floating-point values hold NaN or Inf is corrupt: its
+      donor is dropped and banned, and the chunk is downloaded from another donor (for training
+      states, which must be finite; off by default, as a generic averager may share anything).
+    :param disagreement_retries: with ``require_agreement``, how many times the search starts again
+      when no version had agreeing donors (honest donors may differ for a moment around an epoch's
+      end, or be busy averaging). The last try takes the largest group of agreeing donors even
+      without a majority (see :mod:`.download`), so that honest peers that diverged never lock
+      newcomers out.
     """
 
     prefix: str
@@ -80,12 +97,16 @@ class StateSharingConfig:
     inflight_bytes: int = 16 * 1024 * 1024
     busy_retry_delay: float = 0.5
     max_state_bytes: int = 2**40
+    require_agreement: bool = False
+    reject_non_finite: bool = False
+    bad_donor_cooldown: float = 300.0
+    disagreement_retries: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
             raise ConfigurationError(f"prefix must be a non-empty string, got {self.prefix!r}")
         protocol_name(self.rpc_namespace, LOAD_STATE_HANDLER)  # the prefix must fit a libp2p protocol id
-        for name in ("allow_state_sharing",):
+        for name in ("allow_state_sharing", "require_agreement", "reject_non_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.client_mode is not None and not isinstance(self.client_mode, bool):
@@ -100,6 +121,7 @@ class StateSharingConfig:
         _require_int(self, "max_parallel_donors", 1, 1 << 10)
         _require_int(self, "inflight_bytes", 1, 1 << 40)
         _require_int(self, "max_state_bytes", 0, 1 << 62)
+        _require_int(self, "disagreement_retries", 0, 1 << 10)
 
     def _check_times(self) -> None:
         for name in (
@@ -111,6 +133,7 @@ class StateSharingConfig:
             "manifest_timeout",
             "manifest_gather_time",
             "busy_retry_delay",
+            "bad_donor_cooldown",
         ):
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < math.inf:

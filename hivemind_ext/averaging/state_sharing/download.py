@@ -26,6 +26,18 @@ How one download goes (:meth:`StateLoader.load_state`):
    deadline allows. Otherwise :class:`~hivemind_ext.errors.StateLoadError` is raised, listing why
    each donor failed.
 
+Trust (see also the package docstring). With ``require_agreement`` (synchronous training, where
+honest peers hold bitwise identical states), step 2 groups the manifests by their content digest
+instead of their layout, and a version is downloaded only if its largest group holds at least 2
+donors and more than half of those that answered (unless the swarm lists a single donor). When no
+version has such a majority on any of ``disagreement_retries`` tries (the other donors busy, or
+honest peers that differ after a failed round), the last try takes the largest group (a warning
+says so): only its donors serve, and its state is still validated. A
+downloaded state is then passed to the caller's ``validate`` (range checks of the values); a state
+it refuses, a corrupt manifest or chunk and a lie about the version put the donors responsible on
+a cool-down list (``bad_donor_cooldown``) that every later search of this loader skips, and the
+search starts again without them: a bad state is never downloaded twice in a row.
+
 Everything happens before one deadline (the ``timeout`` argument); past it, StateLoadError is raised
 with the underlying :class:`~hivemind_ext.errors.DeadlineExceededError` as its cause.
 """
@@ -36,7 +48,8 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +83,7 @@ from hivemind_ext.errors import (
     RemoteError,
     RunMismatchError,
     StateLoadError,
+    UntrustedStateError,
 )
 from hivemind_ext.p2p import (
     ClientStream,
@@ -95,6 +109,18 @@ class DonorMismatchError(HivemindExtError):
     """A donor's state is older than it advertised, or laid out differently from the state being downloaded."""
 
 
+class DisagreeingDonorError(DonorMismatchError):
+    """With ``require_agreement``: a donor's state differs from the one most donors serve, or no state
+    is served by enough donors (it is not banned: it may merely lag the others for a moment)."""
+
+
+StateValidator = Callable[[Any, list[torch.Tensor]], None]
+"""Checks a downloaded ``(metadata, tensors)`` before it is returned; raises StateLoadError (e.g.
+UntrustedStateError) to refuse it. Runs in a worker thread."""
+
+BANNED_ERRORS: tuple[type[BaseException], ...] = (CorruptStateError, UntrustedStateError)
+
+
 @dataclass(frozen=True, eq=False)
 class LoadedState:
     """A downloaded state, and how the download went."""
@@ -105,6 +131,9 @@ class LoadedState:
     chunks_by_donor: dict[str, int]  # base58 peer id -> chunks it served
     failures: dict[str, BaseException]  # base58 peer id -> why it was dropped
     seconds: float
+    # the donors that vouched for this very state: with agreement, every donor whose manifest had its
+    # content digest; without, the donor whose manifest (and so metadata) was taken
+    agreeing: tuple[str, ...] = ()
 
 
 class ChunkPool:
@@ -176,9 +205,11 @@ class ChunkPool:
 class _TierFailed(Exception):
     """Internal: every donor of one version failed (or the deadline passed)."""
 
-    def __init__(self, failures: dict[str, BaseException], timed_out: BaseException | None = None) -> None:
+    def __init__(
+        self, failures: dict[str, BaseException], timed_out: BaseException | None = None, disagreement: bool = False
+    ) -> None:
         super().__init__(f"{len(failures)} donors failed")
-        self.failures, self.timed_out = failures, timed_out
+        self.failures, self.timed_out, self.disagreement = failures, timed_out, disagreement
 
 
 class StateLoader:
@@ -195,18 +226,39 @@ class StateLoader:
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
         limits = Limits(max_payload_bytes=max(MAX_MANIFEST_BYTES, MAX_CHUNK_PAYLOAD_BYTES))
         self.client = RPCClient(p2p, config.rpc_namespace, limits=limits, default_timeout=DEFAULT_LOAD_TIMEOUT)
+        self._banned: dict[str, float] = {}  # base58 peer id -> time.monotonic() until which it is skipped
+
+    @property
+    def banned_donors(self) -> dict[str, float]:
+        """Donors skipped for now (base58 peer id -> seconds left), after a bad state or corrupt data."""
+        moment = time.monotonic()
+        return {peer: until - moment for peer, until in self._banned.items() if until > moment}
+
+    def ban(self, donor: str, reason: BaseException) -> None:
+        """Skips ``donor`` for ``bad_donor_cooldown`` seconds."""
+        if self.config.bad_donor_cooldown > 0:
+            self._banned[donor] = time.monotonic() + self.config.bad_donor_cooldown
+            logger.warning("state donor %s is skipped for %.0f s: %s", donor, self.config.bad_donor_cooldown, reason)
 
     async def load_state_from_peers(
-        self, *, timeout: float | None = None, expected_tensors: Sequence[TensorSpec] | None = None
+        self,
+        *,
+        timeout: float | None = None,
+        expected_tensors: Sequence[TensorSpec] | None = None,
+        validate: StateValidator | None = None,
     ) -> tuple[Any, list[torch.Tensor]] | None:
         """hivemind's ``load_state_from_peers``: ``(metadata, tensors)`` of the newest state, or None if
         no peer shares its state. Raises StateLoadError where hivemind would log and return None
         (donors exist, but none delivered a complete, valid state before the deadline)."""
-        loaded = await self.load_state(timeout=timeout, expected_tensors=expected_tensors)
+        loaded = await self.load_state(timeout=timeout, expected_tensors=expected_tensors, validate=validate)
         return None if loaded is None else (loaded.metadata, loaded.tensors)
 
     async def load_state(
-        self, *, timeout: float | None = None, expected_tensors: Sequence[TensorSpec] | None = None
+        self,
+        *,
+        timeout: float | None = None,
+        expected_tensors: Sequence[TensorSpec] | None = None,
+        validate: StateValidator | None = None,
     ) -> LoadedState | None:
         """Like :meth:`load_state_from_peers`, with the version and who served what.
 
@@ -214,6 +266,8 @@ class StateLoader:
           seconds; default 600 (hivemind.Optimizer's ``load_state_timeout``).
         :param expected_tensors: the shapes that the state's first tensors must have (this peer's
           model): a donor's manifest is checked against them before any chunk is pulled.
+        :param validate: checks a downloaded state (see :data:`StateValidator`); a state it refuses
+          bans the donors that served it, and the search goes on without them.
         :returns: None if no donor (other than this peer) advertises a state it shares.
         :raises RunMismatchError: a donor's state has other shapes than ``expected_tensors`` (a peer of
           another model under the same prefix: retrying cannot help, so this is not retried).
@@ -224,21 +278,28 @@ class StateLoader:
         deadline = resolve_deadline(timeout, None, DEFAULT_LOAD_TIMEOUT)
         started = now()
         failures: dict[str, BaseException] = {}
+        disagreements = 0
         while True:
-            tiers = donor_tiers(await self._read_donors(deadline), exclude=self.p2p.peer_id.to_base58())
+            records = [r for r in await self._read_donors(deadline) if r.peer_id not in self.banned_donors]
+            tiers = donor_tiers(records, exclude=self.p2p.peer_id.to_base58())
             if not tiers:
-                if failures:  # the donors that were there failed, then withdrew
+                if failures:  # the donors that were there failed (or were refused), then withdrew
                     raise StateLoadError(f"no donor delivered the state: {_describe(failures)}")
                 logger.info("no peer shares the state of %s", self.config.prefix)
                 return None
+            quorum = self.config.require_agreement and sum(len(donors) for _, donors in tiers) >= 2
+            last_try = disagreements >= self.config.disagreement_retries  # see _TierDownload._choose_reference
             round_failures: dict[str, BaseException] = {}
+            refused = False
             for version, donors in tiers:
                 try:
-                    return await _TierDownload(self, version, donors, deadline, started, expected_tensors).run()
+                    tier = _TierDownload(self, version, donors, deadline, started, expected_tensors, quorum, last_try)
+                    loaded = await tier.run()
                 except _TierFailed as failed:
                     mismatches = [e for e in failed.failures.values() if isinstance(e, RunMismatchError)]
                     if mismatches:
                         raise mismatches[0] from None
+                    self._ban_offenders(failed.failures)
                     round_failures.update(failed.failures)
                     failures.update(failed.failures)
                     if failed.timed_out is not None:
@@ -246,9 +307,48 @@ class StateLoader:
                             f"no complete state before the deadline; {_describe(failures)}"
                         ) from failed.timed_out
                     logger.warning("every donor of version %d failed: %s", version, _describe(failed.failures))
-            if not _all_busy(round_failures) or remaining(deadline) <= self.config.busy_retry_delay:
+                    continue
+                rejection = await self._validate(loaded, validate, deadline)
+                if rejection is None:
+                    return loaded
+                # those who vouched for the content (with agreement: all its donors; without: the donor whose
+                # manifest, and so metadata, was taken; a bad chunk already dropped its donor)
+                for donor in loaded.agreeing or tuple(loaded.chunks_by_donor):
+                    self.ban(donor, rejection)
+                    failures[donor] = rejection
+                refused = True
+                break  # search again without the donors of the refused state
+            if refused:
+                continue
+            if _any_disagreement(round_failures) and disagreements < self.config.disagreement_retries:
+                disagreements += 1
+            elif not _all_busy(round_failures):
+                raise StateLoadError(f"no donor delivered the state: {_describe(failures)}")
+            if remaining(deadline) <= self.config.busy_retry_delay:
                 raise StateLoadError(f"no donor delivered the state: {_describe(failures)}")
             await asyncio.sleep(self.config.busy_retry_delay)
+
+    async def _validate(
+        self, loaded: LoadedState, validate: StateValidator | None, deadline: float
+    ) -> UntrustedStateError | None:
+        """None if ``validate`` accepts the state, else why it was refused."""
+        if validate is None:
+            return None
+        try:
+            await wait_until(
+                asyncio.to_thread(validate, loaded.metadata, loaded.tensors), deadline, "validating the state"
+            )
+        except StateLoadError as e:
+            served = ", ".join(sorted(loaded.chunks_by_donor)) or "no donor"
+            logger.warning("refused the state of version %d served by %s: %s", loaded.version, served, e)
+            return e if isinstance(e, UntrustedStateError) else UntrustedStateError(str(e))
+        return None
+
+    def _ban_offenders(self, failures: dict[str, BaseException]) -> None:
+        """Bans the donors that sent corrupt data or lied about their version (not the slow or busy ones)."""
+        for donor, error in failures.items():
+            if isinstance(error, BANNED_ERRORS) or type(error) is DonorMismatchError:
+                self.ban(donor, error)
 
     async def _read_donors(self, deadline: float) -> list[DonorRecord]:
         try:
@@ -279,9 +379,11 @@ class _TierDownload:
         deadline: float,
         started: float,
         expected_tensors: Sequence[TensorSpec] | None = None,
+        quorum: bool = False,
+        last_try: bool = False,
     ) -> None:
         self.config, self.client = loader.config, loader.client
-        self.expected_tensors = expected_tensors
+        self.expected_tensors, self.quorum, self.last_try = expected_tensors, quorum, last_try
         self.version, self.deadline, self.started = version, deadline, started
         self.tier_started = now()
         self.candidates = collections.deque(donors)
@@ -296,6 +398,9 @@ class _TierDownload:
         self._pulling: set[asyncio.Task[Any]] = set()  # workers whose donor's manifest was adopted
         self._finished = asyncio.Event()
         self._gathered_manifests: list[Manifest] = []  # valid manifests received before the transfer starts
+        self._gathered_donors: list[str] = []  # who sent them
+        self.agreeing: list[str] = []  # donors whose manifest matches the reference's content (with quorum)
+        self._disagreement: DisagreeingDonorError | None = None  # with quorum: no state had enough donors
         self._gather_deadline: float | None = None  # set by the first manifest
         self._gathered = asyncio.Event()  # set once the reference is chosen
 
@@ -309,6 +414,9 @@ class _TierDownload:
             pulling = self._pulling & self._workers
             if pulling and self._complete():  # let donors that served end their streams cleanly, briefly
                 await asyncio.wait(pulling, timeout=max(0.0, min(FINISH_GRACE, remaining(self.deadline))))
+        if self._disagreement is not None:
+            disagreeing = dict.fromkeys(self._gathered_donors, self._disagreement)
+            raise _TierFailed({**self.failures, **disagreeing}, disagreement=True)
         if not self._complete() or self.reference is None:
             raise _TierFailed(self.failures)
         return self._result(self.reference)
@@ -323,7 +431,15 @@ class _TierDownload:
             "downloaded state version %d (%.1f MB) in %.2f s from %d donors",
             manifest.version, nbytes / 1e6, seconds, len(self.served),
         )  # fmt: skip
-        return LoadedState(manifest.metadata, self.outputs, manifest.version, dict(self.served), self.failures, seconds)
+        return LoadedState(
+            manifest.metadata,
+            self.outputs,
+            manifest.version,
+            dict(self.served),
+            self.failures,
+            seconds,
+            tuple(self.agreeing),
+        )
 
     def _start_donors(self) -> None:
         """Asks more donors until ``max_parallel_donors`` are at work; finishes the tier if none are left."""
@@ -362,16 +478,17 @@ class _TierDownload:
             if self.expected_tensors is not None:  # another model: an error of this peer's, before any chunk
                 check_expected_tensors(manifest.tensors, self.expected_tensors)
             if not self._gathered.is_set():
-                await self._gather(manifest)
+                await self._gather(donor, manifest)
             self._adopt(donor, manifest)
             self._pulling.add(asyncio.current_task())  # type: ignore[arg-type]  # always inside a task
             await self._pull_chunks(donor, stream, manifest)
             await _finish_stream(stream, min(self.deadline, now() + FINISH_GRACE))
 
-    async def _gather(self, manifest: Manifest) -> None:
+    async def _gather(self, donor: str, manifest: Manifest) -> None:
         """Waits (bounded) for the other donors asked to answer too, so that the transfer starts with
         every agreeing donor at once (step 2 of the module docstring)."""
         self._gathered_manifests.append(manifest)
+        self._gathered_donors.append(donor)
         if self._gather_deadline is None:
             waited = now() - self.tier_started
             self._gather_deadline = now() + max(self.config.manifest_gather_time, waited)
@@ -390,7 +507,30 @@ class _TierDownload:
         if self._gathered.is_set():
             return
         self._gathered.set()
-        manifest = agreeing_reference(self._gathered_manifests)
+        if self.quorum:
+            agreed = agreed_content(self._gathered_manifests)
+            if agreed is None and self.last_try:
+                # no majority on any try: the other donors were busy (hivemind issues 169, 445), or
+                # honest peers themselves differ (a round that some missed). Take the largest group
+                # (the first to answer if all differ): only its donors serve, and its state is validated
+                agreed = largest_content_group(self._gathered_manifests)
+                logger.warning(
+                    "no majority of donors agrees on the state of version %d (%d answered): trusting the "
+                    "largest group (%d), range checks only",
+                    self.version, len(self._gathered_manifests),
+                    sum(m.content_digest == agreed.content_digest for m in self._gathered_manifests),
+                )  # fmt: skip
+            if agreed is None:
+                digests = collections.Counter(m.content_digest.hex()[:12] for m in self._gathered_manifests)
+                self._disagreement = DisagreeingDonorError(
+                    f"no state of version {self.version} is served by enough donors (states by digest: {dict(digests)})"
+                )
+                self._finished.set()
+                return
+            manifest = agreed
+        else:
+            manifest = agreeing_reference(self._gathered_manifests)
+            self.agreeing.append(self._gathered_donors[self._gathered_manifests.index(manifest)])
         self.reference = manifest
         self.outputs = [torch.empty(spec.shape, dtype=spec.dtype) for spec in manifest.tensors]
         self.flat_outputs = [output.view(-1) for output in self.outputs]
@@ -400,9 +540,15 @@ class _TierDownload:
 
     def _adopt(self, donor: str, manifest: Manifest) -> None:
         """A donor takes part if its manifest matches the layout of the chosen reference."""
+        if self._disagreement is not None:
+            raise self._disagreement
         if self.reference is None:
             raise RuntimeError("no reference manifest after the gathering")  # a bug, not bad input
-        if manifest.layout() != self.reference.layout():
+        if self.quorum:
+            if manifest.content_digest != self.reference.content_digest:
+                raise DisagreeingDonorError(f"{donor} serves another state than most donors of version {self.version}")
+            self.agreeing.append(donor)
+        elif manifest.layout() != self.reference.layout():
             raise DonorMismatchError(
                 f"{donor} serves version {manifest.version} laid out differently from version {self.reference.version}"
             )
@@ -495,6 +641,8 @@ class _TierDownload:
             values = decompress(chunk)
         except CompressionError as e:
             raise CorruptStateError(f"chunk {index} cannot be decoded: {e}") from None
+        if self.config.reject_non_finite and values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            raise CorruptStateError(f"chunk {index} holds NaN or Inf")
         self.flat_outputs[spec.tensor][spec.start : spec.end].copy_(values)
 
 
@@ -517,6 +665,25 @@ def agreeing_reference(manifests: Sequence[Manifest]) -> Manifest:
     groups: dict[tuple[Any, ...], list[Manifest]] = {}
     for manifest in manifests:
         groups.setdefault(manifest.layout(), []).append(manifest)
+    return max(groups.values(), key=lambda group: (len(group), group[0].version))[0]
+
+
+def agreed_content(manifests: Sequence[Manifest]) -> Manifest | None:
+    """With ``require_agreement``: the first manifest of the largest group of ``manifests`` with one
+    content digest, if that group holds at least 2 of them and more than half; else None."""
+    if not manifests:
+        return None
+    best = largest_content_group(manifests)
+    count = sum(manifest.content_digest == best.content_digest for manifest in manifests)
+    return best if count >= 2 and 2 * count > len(manifests) else None
+
+
+def largest_content_group(manifests: Sequence[Manifest]) -> Manifest:
+    """The first manifest of the largest group of ``manifests`` with one content digest (the newer
+    version between groups of one size, the first to arrive within)."""
+    groups: dict[bytes, list[Manifest]] = {}
+    for manifest in manifests:
+        groups.setdefault(manifest.content_digest, []).append(manifest)
     return max(groups.values(), key=lambda group: (len(group), group[0].version))[0]
 
 
@@ -546,6 +713,10 @@ async def _finish_stream(stream: ClientStream, deadline: float) -> None:
 def _reason(header: Any) -> str:
     reason = header.get("reason")
     return reason[:500] if isinstance(reason, str) else "no reason given"
+
+
+def _any_disagreement(failures: dict[str, BaseException]) -> bool:
+    return any(isinstance(error, DisagreeingDonorError) for error in failures.values())
 
 
 def _all_busy(failures: dict[str, BaseException]) -> bool:

@@ -82,6 +82,10 @@ class Manifest:
     metadata: Any
     tensors: tuple[TensorSpec, ...]
     chunks: tuple[ManifestChunk, ...]
+    #: SHA-256 of everything in the manifest but the snapshot id (version, metadata, tensors, chunk
+    #: ranges, sizes and digests): two donors with the same content digest serve bitwise the same
+    #: state, since every chunk is checked against its digest (empty when not parsed from the wire)
+    content_digest: bytes = b""
 
     def layout(self) -> tuple[Any, ...]:
         """What must match for chunks of two donors to be combined: version, tensors and chunk ranges."""
@@ -154,7 +158,15 @@ def parse_manifest(payload: bytes | bytearray, declared_digest: Any, *, max_stat
         raise CorruptStateError(f"malformed snapshot id {snapshot!r:.80}")
     tensors = _parse_tensors(raw["tensors"], max_state_bytes)
     chunks = _parse_chunks(raw["chunks"], tensors)
-    return Manifest(version, snapshot, _unpack_metadata(raw["metadata"]), tensors, chunks)
+    metadata = _unpack_metadata(raw["metadata"])
+    return Manifest(version, snapshot, metadata, tensors, chunks, content_digest(raw))
+
+
+def content_digest(raw: Mapping[str, Any]) -> bytes:
+    """The digest of a parsed manifest's content: its fields but the snapshot id (a random label),
+    packed again in a fixed order."""
+    content = [raw["format"], raw["version"], raw["metadata"], raw["tensors"], raw["chunks"]]
+    return hashlib.sha256(msgpack.packb(content, use_bin_type=True)).digest()
 
 
 def _parse_tensors(rows: Any, max_state_bytes: int) -> tuple[TensorSpec, ...]:
