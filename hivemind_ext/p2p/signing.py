@@ -148,10 +148,17 @@ def default_signing_key(dht: Any, preferred: RSAPrivateKey | None = None) -> RSA
 
 
 async def install_signing(
-    dht_calls: DHTCalls, private_key: RSAPrivateKey, *, protected_keys: Iterable[str] = (), timeout: float
+    dht_calls: DHTCalls,
+    private_key: RSAPrivateKey,
+    *,
+    protected_keys: Iterable[str] = (),
+    timeout: float,
+    verify: bool = True,
 ) -> bytes:
     """Makes the DHT sign this peer's records with ``private_key`` and refuse unsigned entries under
-    ``protected_keys`` (one call into the DHT process); returns the owner marker.
+    ``protected_keys`` (one call into the DHT process); returns the owner marker. A reader needs it
+    too: a DHT without a signature validator cannot strip signatures, and hivemind's ``get`` then
+    never answers. ``verify=False`` (a reader that signs nothing) accepts a DHT that signs with another key.
 
     :raises ConfigurationError: the DHT already signs with another key (hivemind keeps the first
         :class:`RSASignatureValidator` it is given): records under this key would be refused
@@ -159,7 +166,7 @@ async def install_signing(
     """
     validator = RSASignatureValidator(private_key)
     install = partial(_install, signer=validator, protected_keys=tuple(protected_keys))
-    if not await dht_calls.run_coroutine(install, timeout=timeout):
+    if not await dht_calls.run_coroutine(install, timeout=timeout) and verify:
         raise ConfigurationError(
             "this DHT already signs records with another RSA key (a previous RSASignatureValidator); "
             "pass that key as private_key, or leave every component at the process-wide default"

@@ -76,6 +76,7 @@ from hivemind_ext.p2p import (
     wait_until,
 )
 from hivemind_ext.p2p.dht_calls import DHTCalls
+from hivemind_ext.p2p.signing import default_signing_key, install_signing
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,7 @@ class StateLoader:
         self.config, self.dht, self.p2p = config, dht, p2p
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
         self.skipped_records = 0  # donor records skipped so far: unsigned, malformed or expired
+        self._validating = False  # whether the DHT validates (and strips) signed records yet
         limits = Limits(max_payload_bytes=max(MAX_MANIFEST_BYTES, MAX_CHUNK_PAYLOAD_BYTES))
         self.client = RPCClient(p2p, config.rpc_namespace, limits=limits, default_timeout=DEFAULT_LOAD_TIMEOUT)
 
@@ -246,6 +248,11 @@ class StateLoader:
 
     async def _read_donors(self, deadline: float) -> list[DonorRecord]:
         try:
+            if not self._validating:
+                key, timeout = default_signing_key(self.dht), min(remaining(deadline), self.config.dht_timeout)
+                protected = (donors_key(self.config.prefix),)
+                await install_signing(self._dht_calls, key, protected_keys=protected, timeout=timeout, verify=False)
+                self._validating = True
             result = await self._dht_calls.get(
                 donors_key(self.config.prefix), latest=True, deadline=min(deadline, now() + self.config.dht_timeout)
             )
