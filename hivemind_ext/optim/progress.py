@@ -927,7 +927,7 @@ class ProgressTracker:
         """hivemind's DHT keeps the first RSASignatureValidator it is given and drops later ones (their
         ``merge_with``), signing with the first one's key only. A record under a subkey with another
         key would then go unsigned and every node would refuse it, silently: fail loudly instead."""
-        check = partial(_signs_with_key, owner_subkey=validator.local_public_key)
+        check = partial(_signs_with_key, owner_subkey=validator.local_public_key, checker=validator)
         timeout = self.config.request_timeout
         try:
             signs = self._runtime.run(
@@ -942,9 +942,9 @@ class ProgressTracker:
             )
 
 
-async def _signs_with_key(_dht: DHT, node: Any, *, owner_subkey: bytes) -> bool:
+async def _signs_with_key(_dht: DHT, node: Any, *, owner_subkey: bytes, checker: RSASignatureValidator) -> bool:
     """Runs inside the DHT process: whether the node's validators sign a record under ``owner_subkey``."""
-    return signs_with_key(node.protocol.record_validator, owner_subkey)
+    return signs_with_key(node.protocol.record_validator, owner_subkey, checker=checker)
 
 
 def _count(value: Any, name: str) -> int:

@@ -180,15 +180,20 @@ async def _install(_dht: Any, node: Any, *, signer: RSASignatureValidator, prote
     if protected_keys:
         validators.append(OwnedRecordsValidator(protected_keys))
     node.protocol.record_validator.extend(validators)
-    return signs_with_key(node.protocol.record_validator, signer.local_public_key)
+    return signs_with_key(node.protocol.record_validator, signer.local_public_key, checker=signer)
 
 
-def signs_with_key(record_validator: RecordValidatorBase, owner: bytes) -> bool:
-    """Whether ``record_validator`` signs a record under the owner subkey ``owner`` with the matching private key."""
+def signs_with_key(
+    record_validator: RecordValidatorBase, owner: bytes, *, checker: RSASignatureValidator | None = None
+) -> bool:
+    """Whether ``record_validator`` signs a record under the owner subkey ``owner`` with the matching
+    private key. ``checker`` verifies the signature (any instance: ``validate()`` checks against the key in
+    the subkey, whatever the validator's own key); without one, a default instance is made, which
+    generates the process-wide key in the calling process if it has none yet (hundreds of ms)."""
     record = DHTRecord(b"signing-key-check", MSGPackSerializer.dumps(owner), MSGPackSerializer.dumps(0), 0.0)
     signed = dataclasses.replace(record, value=record_validator.sign_value(record))
-    # validate() checks the signature against the key in the subkey, whatever the validator's own key
-    return signed.value != record.value and RSASignatureValidator().validate(signed)
+    checker = checker if checker is not None else RSASignatureValidator()
+    return signed.value != record.value and checker.validate(signed)
 
 
 __all__ = [
