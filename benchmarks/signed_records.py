@@ -20,7 +20,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from hivemind_ext.p2p.signing import default_signing_key, owner_marker, signed_subkey
+from hivemind_ext.p2p.signing import CachingSignatureValidator, default_signing_key, owner_marker, signed_subkey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from swarm import local_swarm
@@ -61,7 +61,7 @@ def board_reads(peers: int, records: int, reads: int) -> tuple[float, float]:
         owners = []
         for dht in dhts:
             key = default_signing_key(dht)
-            dht.add_validators([RSASignatureValidator(key)])
+            dht.add_validators([CachingSignatureValidator(key)])
             owners.append(owner_marker(key))
         plain, signed = f"bench-{secrets.token_hex(4)}", f"bench-{secrets.token_hex(4)}"
         until = get_dht_time() + 600

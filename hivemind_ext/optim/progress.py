@@ -58,7 +58,7 @@ from hivemind_ext.errors import (
 )
 from hivemind_ext.optim.fingerprint import RunFingerprint, swarm_fingerprint
 from hivemind_ext.p2p.runtime import PeerRuntime
-from hivemind_ext.p2p.signing import default_signing_key, signs_with_key
+from hivemind_ext.p2p.signing import CachingSignatureValidator, default_signing_key, signs_with_key
 
 logger = logging.getLogger(__name__)
 
@@ -567,7 +567,7 @@ class ProgressTracker:
         """The rest of the constructor, once the runtime is acquired (so that a failure can release it)."""
         dht, prefix = self.dht, self.prefix
         registered = default_signing_key(dht, private_key)  # the averagers on this DHT sign with it too
-        signature_validator = RSASignatureValidator(private_key if private_key is not None else registered)
+        signature_validator = CachingSignatureValidator(private_key if private_key is not None else registered)
         self._own_subkey = signature_validator.local_public_key
         dht.add_validators([signature_validator, ProgressRecordValidator(self.training_progress_key)])
         self._check_signing_key(signature_validator)

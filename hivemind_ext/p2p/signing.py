@@ -24,7 +24,9 @@ entry under the protected keys that is not under a signed subkey.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import re
 import threading
 import weakref
@@ -130,6 +132,34 @@ class OwnedRecordsValidator(RecordValidatorBase):
         return True
 
 
+class CachingSignatureValidator(RSASignatureValidator):
+    """hivemind's :class:`RSASignatureValidator` that remembers what it has verified.
+
+    A DHT node verifies every entry of a dictionary value on every read (a matchmaking board of a few
+    dozen records, read by every peer every few tens of milliseconds while a group forms), and the
+    records are the same bytes from one read to the next. The result of ``validate`` depends only on
+    the record's bytes, so it is kept for the last ``CACHE_SIZE`` records, by a digest of all of them;
+    a changed byte is a new record, verified afresh. Signing is unchanged."""
+
+    CACHE_SIZE = 4096
+
+    def __init__(self, private_key: RSAPrivateKey | None = None) -> None:
+        super().__init__(private_key)
+        self._verified: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
+
+    def validate(self, record: DHTRecord) -> bool:
+        digest = hashlib.blake2b(MSGPackSerializer.dumps(dataclasses.astuple(record)), digest_size=20).digest()
+        known = self._verified.get(digest)
+        if known is not None:
+            self._verified.move_to_end(digest)
+            return known
+        valid = super().validate(record)
+        self._verified[digest] = valid
+        if len(self._verified) > self.CACHE_SIZE:
+            self._verified.popitem(last=False)
+        return valid
+
+
 _SIGNING_KEYS: weakref.WeakKeyDictionary[Any, RSAPrivateKey] = weakref.WeakKeyDictionary()
 _SIGNING_KEYS_LOCK = threading.Lock()
 
@@ -164,7 +194,7 @@ async def install_signing(
         :class:`RSASignatureValidator` it is given): records under this key would be refused
     :raises DeadlineExceededError, PeerUnreachableError, ClosedError: as :class:`DHTCalls`
     """
-    validator = RSASignatureValidator(private_key)
+    validator = CachingSignatureValidator(private_key)
     install = partial(_install, signer=validator, protected_keys=tuple(protected_keys))
     if not await dht_calls.run_coroutine(install, timeout=timeout) and verify:
         raise ConfigurationError(
@@ -198,6 +228,7 @@ def signs_with_key(
 
 __all__ = [
     "PIN_SECONDS",
+    "CachingSignatureValidator",
     "OwnedRecordsValidator",
     "OwnerBook",
     "SignedSubkey",
