@@ -214,6 +214,14 @@ class Matchmaker:
             self.config = config
             self._busy = False
 
+    async def prepare(self, *, timeout: float) -> None:
+        """Sets up record signing for the current board key ahead of the first search (the averager
+        calls it at start), so that the first round does not spend its matchmaking time on it.
+
+        :raises MatchmakingError: the DHT did not answer in time (the first search tries again)
+        """
+        await self._install_signing(get_dht_time() + timeout)
+
     async def _install_signing(self, deadline: float) -> None:
         """Once per board key: the DHT signs this peer's records and refuses unsigned entries there."""
         if self._key in self._protected:
