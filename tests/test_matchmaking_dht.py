@@ -14,13 +14,16 @@ from collections.abc import Iterator, Sequence
 
 import hivemind
 import pytest
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from swarm import addresses, local_swarm, new_peer
 
+from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
 from hivemind_ext.averaging.matchmaking.board import board_key, parse_board
 from hivemind_ext.averaging.matchmaking.group import GroupInfo, MatchmakingConfig
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker
 from hivemind_ext.errors import ConfigurationError, MatchmakingError
+from hivemind_ext.p2p.signing import OwnerBook, default_signing_key
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +34,8 @@ AUXILIARY, CLIENT = 6, 7  # roles of two peers of the swarm
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[list[hivemind.DHT]]:
     with local_swarm(SWARM_SIZE, client_indices=[CLIENT]) as dhts:
+        for dht in dhts:  # the tests read boards directly: the DHT must strip the records' signatures
+            dht.add_validators([RSASignatureValidator(default_signing_key(dht))])
         yield dhts
 
 
@@ -173,7 +178,9 @@ def test_bad_times_are_rejected_before_any_io(swarm) -> None:
 async def _board(dht: hivemind.DHT, name: str):
     found = await dht.get(board_key(name), latest=True, return_future=True)
     entries = found.value.items() if found is not None else ()
-    return parse_board(name, ((k, v.value, v.expiration_time) for k, v in entries), get_dht_time())
+    now = get_dht_time()
+    believed = authenticate_board(((k, v.value, v.expiration_time) for k, v in entries), OwnerBook(), now)
+    return parse_board(name, believed, now)
 
 
 async def _until(condition, timeout: float = 10.0) -> None:

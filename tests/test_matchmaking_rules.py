@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from matchmaking_builders import board_of, config, declaration, member, peer
@@ -17,6 +18,7 @@ from matchmaking_builders import board_of, config, declaration, member, peer
 from hivemind_ext.averaging.matchmaking.board import (
     MAX_GROUP_MEMBERS,
     Marker,
+    Write,
     commit_write,
     declaration_write,
     marker_write,
@@ -41,6 +43,7 @@ from hivemind_ext.averaging.matchmaking.group import (
 )
 from hivemind_ext.averaging.matchmaking.matchmaker import COMMIT_ATTEMPTS, Matchmaker
 from hivemind_ext.errors import ConfigurationError, ProtocolError
+from hivemind_ext.p2p.signing import owner_marker, signed_subkey
 
 NOT_DUE, DUE = 0.0, 200.0  # every declaration below is ready at 100.0
 
@@ -402,7 +405,15 @@ def test_group_info_finds_members_and_converts_peer_ids() -> None:
     assert converted.index_of(converted.peer_ids[0]) == 0
 
 
-GROUP_ID = "ab" * 16  # a well-formed group id (16 bytes, hex)
+SIGNING_KEY = RSAPrivateKey()
+LEADER = Member(PeerID(b"x").to_base58(), "0" * 16)  # the matchmaker under test
+GROUP_ID = group_id_for((LEADER,))
+
+
+def _signed_entry(write: Write) -> tuple[bytes, SimpleNamespace]:
+    """A record as the leader stored it: under its signed subkey."""
+    subkey = signed_subkey(write.subkey, LEADER.peer_id, owner_marker(SIGNING_KEY))
+    return subkey, SimpleNamespace(value=write.value, expiration_time=write.expiration_time)
 
 
 class _CommitBoard:
@@ -430,20 +441,20 @@ class _CommitBoard:
     async def get(self, key: str, latest: bool = True) -> SimpleNamespace | None:
         if not self.visible:
             return None
-        record = commit_write(Commit(GROUP_ID, (member(1).key,)), get_dht_time() + 30)
-        item = SimpleNamespace(value=record.value, expiration_time=record.expiration_time)
-        return SimpleNamespace(value={record.subkey: item})
+        seal = sealed_write(SealedGroup(GROUP_ID, (LEADER,), get_dht_time() + 10), get_dht_time() + 30)
+        commit = commit_write(Commit(GROUP_ID, (LEADER.key,)), get_dht_time() + 30)
+        return SimpleNamespace(value=dict(map(_signed_entry, (seal, commit))))
 
 
 def test_a_leader_whose_commit_store_reports_failure_returns_if_the_commit_is_on_the_board() -> None:
     """A store that timed out or was refused by a replica that already held the commit may still
     have landed; members run the group once they read it, so the leader must too."""
     group = GroupInfo(bytes.fromhex(GROUP_ID), ())
-    writes = (commit_write(Commit(GROUP_ID, (member(1).key,)), get_dht_time() + 30),)
+    writes = (commit_write(Commit(GROUP_ID, (LEADER.key,)), get_dht_time() + 30),)
     for visible, expected, calls in ((True, True, 2), (False, False, 2 * COMMIT_ATTEMPTS)):
         board = _CommitBoard(visible)
         config = MatchmakingConfig(prefix="run", target_group_size=2)
-        matchmaker = Matchmaker(config, dht=None, peer_id=PeerID(b"x"), dht_calls=board)  # type: ignore[arg-type]
+        matchmaker = Matchmaker(config, dht=None, peer_id=PeerID(b"x"), dht_calls=board, signing_key=SIGNING_KEY)  # type: ignore[arg-type]
         committed = asyncio.run(matchmaker.commit(writes, group, deadline=get_dht_time() + 30))
         exchanges = board.exchanges
         assert committed is expected and len(exchanges) == calls

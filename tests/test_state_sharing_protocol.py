@@ -36,7 +36,13 @@ from hivemind_ext.averaging.state_sharing.manifest import (
     parse_chunks_request,
     parse_manifest,
 )
-from hivemind_ext.averaging.state_sharing.records import donor_tiers, parse_donor_record, parse_donor_records
+from hivemind_ext.averaging.state_sharing.records import (
+    donor_subkey,
+    donor_tiers,
+    parse_donor_record,
+    parse_donor_records,
+    read_donor_records,
+)
 from hivemind_ext.averaging.state_sharing.snapshot import PreparedState, SnapshotCache, prepare_state
 from hivemind_ext.averaging.tensor_layout import TensorSpec, chunk_tensors
 from hivemind_ext.compression import (
@@ -46,6 +52,7 @@ from hivemind_ext.compression import (
     decompress,
 )
 from hivemind_ext.errors import ConfigurationError, DonorBusyError, ProtocolError
+from hivemind_ext.p2p.signing import signed_subkey
 
 PEER = "12D3KooWAjvWiHM4xCJJHfShepw9DdnsihV9DbxXmGsgTdnkS5EX"
 OTHER = "12D3KooWCHaHYzbaa2zuEpyho56ws1cp6NLoYunt2UG9k5NL15iu"
@@ -136,39 +143,64 @@ def test_config_rejects_bad_values(overrides: dict) -> None:
 # ----- DHT records
 
 
+def _signed(peer: str, owner: bytes = b"[owner:key-a]") -> bytes:
+    return donor_subkey(peer, owner)
+
+
 def test_donor_records_are_parsed_strictly() -> None:
     now = 1000.0
-    good = (PEER, {"version": 5, "accepts": True}, now + 10)
+    good = (_signed(PEER), {"version": 5, "accepts": True}, now + 10)
     entries = [
         good,
-        (OTHER, {"version": 4, "accepts": False}, now + 10),
-        ("not base58 0OIl", {"version": 1, "accepts": True}, now + 10),
-        (PEER, {"version": True, "accepts": True}, now + 10),  # bool is not a version
-        (PEER, {"version": -1, "accepts": True}, now + 10),
-        (PEER, {"version": 2**63, "accepts": True}, now + 10),
-        (PEER, {"version": 1.0, "accepts": True}, now + 10),
-        (PEER, {"version": 1, "accepts": 1}, now + 10),
-        (PEER, {"version": 1, "accepts": True, "extra": 0}, now + 10),
-        (PEER, [1, True], now + 10),
-        (PEER, {"version": 1, "accepts": True}, now - 1),  # expired
-        (PEER, {"version": 1, "accepts": True}, float("nan")),
+        (_signed(OTHER), {"version": 4, "accepts": False}, now + 10),
+        (PEER, {"version": 1, "accepts": True}, now + 10),  # unsigned: anyone could have written it
+        (_signed(PEER), {"version": True, "accepts": True}, now + 10),  # bool is not a version
+        (_signed(PEER), {"version": -1, "accepts": True}, now + 10),
+        (_signed(PEER), {"version": 2**63, "accepts": True}, now + 10),
+        (_signed(PEER), {"version": 1.0, "accepts": True}, now + 10),
+        (_signed(PEER), {"version": 1, "accepts": 1}, now + 10),
+        (_signed(PEER), {"version": 1, "accepts": True, "extra": 0}, now + 10),
+        (_signed(PEER), [1, True], now + 10),
+        (_signed(PEER), {"version": 1, "accepts": True}, now - 1),  # expired
+        (_signed(PEER), {"version": 1, "accepts": True}, float("nan")),
         (b"bytes-subkey", {"version": 1, "accepts": True}, now + 10),
-        (PEER, None, now + 10),
+        (b"not base58 0OIl" + b"[owner:key-a]", {"version": 1, "accepts": True}, now + 10),
+        (signed_subkey("other", PEER, b"[owner:key-a]"), {"version": 1, "accepts": True}, now + 10),
+        (_signed(PEER), None, now + 10),
     ]
-    records = parse_donor_records(entries, now)
+    records, skipped = read_donor_records(entries, now)
     assert [(r.peer_id, r.version, r.accepts) for r in records] == [(PEER, 5, True), (OTHER, 4, False)]
+    assert skipped == len(entries) - 2
     with pytest.raises(ProtocolError):
         parse_donor_record(*entries[3], now)
+
+
+def test_a_claim_under_another_key_never_hides_a_donor() -> None:
+    """A key that claims an honest donor's peer id cannot say it does not accept: an accepting
+    claim wins, whichever key made it (readers cannot tell which key is the donor's)."""
+    honest, forged = (_signed(PEER, b"[owner:honest]"), _signed(PEER, b"[owner:forger]"))
+    for order in ((0, 1), (1, 0)):
+        entries = [
+            (honest, {"version": 7, "accepts": True}, 5000.0),
+            (forged, {"version": 0, "accepts": False}, 5000.0),
+        ]
+        records = parse_donor_records([entries[i] for i in order], 1000.0)
+        assert [(r.peer_id, r.version, r.accepts, r.owner) for r in records] == [(PEER, 7, True, b"[owner:honest]")]
+    only_refusals = [
+        (honest, {"version": 7, "accepts": False}, 5000.0),
+        (forged, {"version": 9, "accepts": False}, 5000.0),
+    ]
+    assert [r.accepts for r in parse_donor_records(only_refusals, 1000.0)] == [False]
 
 
 def test_donor_tiers_rank_newest_first_and_skip_self_and_refusers() -> None:
     records = parse_donor_records(
         [
-            (PEER, {"version": 3, "accepts": True}, 10.0),
-            (OTHER, {"version": 7, "accepts": True}, 10.0),
-            ("12D3KooWself", {"version": 9, "accepts": True}, 10.0),
-            ("12D3KooWoff", {"version": 8, "accepts": False}, 10.0),
-            ("12D3KooWsame", {"version": 7, "accepts": True}, 10.0),
+            (_signed(PEER), {"version": 3, "accepts": True}, 10.0),
+            (_signed(OTHER), {"version": 7, "accepts": True}, 10.0),
+            (_signed("12D3KooWself"), {"version": 9, "accepts": True}, 10.0),
+            (_signed("12D3KooWoff"), {"version": 8, "accepts": False}, 10.0),
+            (_signed("12D3KooWsame"), {"version": 7, "accepts": True}, 10.0),
         ],
         0.0,
     )

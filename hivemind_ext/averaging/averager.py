@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 NO_DEADLINE = 365 * 24 * 3600.0  # "no timeout": a step still gives up eventually
+SIGNING_SETUP_TIMEOUT = 10.0  # how long the start waits for the DHT to take the record signing set-up
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,8 @@ class DecentralizedAverager:
         dht_calls = runtime.dht_calls
         self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id, dht_calls=dht_calls)
         self._service.admission.is_listed = self._matchmaker.lists  # members' early streams get reserved slots
+        with contextlib.suppress(MatchmakingError):  # the first search sets signing up then
+            await self._matchmaker.prepare(timeout=max(SIGNING_SETUP_TIMEOUT, self.matchmaking_config.request_timeout))
         self._looking = asyncio.Lock()  # concurrent steps look for groups one after another
         self._loader = StateLoader(self.state_sharing_config, dht=self.dht, p2p=p2p, dht_calls=dht_calls)
         if not self.client_mode:  # a client-mode peer can never serve: it accepts no connections

@@ -39,7 +39,6 @@ import operator
 import re
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -63,6 +62,7 @@ from hivemind_ext.errors import (
 from hivemind_ext.optim.fingerprint import RunFingerprint, swarm_fingerprint
 from hivemind_ext.optim.progress_rules import Counted, accepts_epoch, screen_progress
 from hivemind_ext.p2p.runtime import PeerRuntime
+from hivemind_ext.p2p.signing import CachingSignatureValidator, default_signing_key, signs_with_key
 
 logger = logging.getLogger(__name__)
 
@@ -579,9 +579,8 @@ class ProgressTracker:
     ) -> None:
         """The rest of the constructor, once the runtime is acquired (so that a failure can release it)."""
         dht, prefix = self.dht, self.prefix
-        signature_validator = RSASignatureValidator(
-            private_key if private_key is not None else default_signing_key(dht)
-        )
+        registered = default_signing_key(dht, private_key)  # the averagers on this DHT sign with it too
+        signature_validator = CachingSignatureValidator(private_key if private_key is not None else registered)
         self._own_subkey = signature_validator.local_public_key
         dht.add_validators([signature_validator, ProgressRecordValidator(self.training_progress_key)])
         self._check_signing_key(signature_validator)
@@ -970,7 +969,7 @@ class ProgressTracker:
         """hivemind's DHT keeps the first RSASignatureValidator it is given and drops later ones (their
         ``merge_with``), signing with the first one's key only. A record under a subkey with another
         key would then go unsigned and every node would refuse it, silently: fail loudly instead."""
-        check = partial(_signs_with_key, owner_subkey=validator.local_public_key)
+        check = partial(_signs_with_key, owner_subkey=validator.local_public_key, checker=validator)
         timeout = self.config.request_timeout
         try:
             signs = self._runtime.run(
@@ -985,29 +984,9 @@ class ProgressTracker:
             )
 
 
-_SIGNING_KEYS: weakref.WeakKeyDictionary[DHT, RSAPrivateKey] = weakref.WeakKeyDictionary()
-_SIGNING_KEYS_LOCK = threading.Lock()
-
-
-def default_signing_key(dht: DHT) -> RSAPrivateKey:
-    """The key that signs this DHT's progress records when ``private_key`` is not given: the first DHT
-    of a process uses the process-wide key (what hivemind's own components on that DHT use); every
-    other DHT of the process gets a key of its own, so that several peers in one process (tests, local
-    swarms in threads) do not share one record subkey and overwrite each other's progress."""
-    with _SIGNING_KEYS_LOCK:
-        if dht not in _SIGNING_KEYS:
-            _SIGNING_KEYS[dht] = RSAPrivateKey.process_wide() if not _SIGNING_KEYS else RSAPrivateKey()
-        return _SIGNING_KEYS[dht]
-
-
-async def _signs_with_key(_dht: DHT, node: Any, *, owner_subkey: bytes) -> bool:
-    """Runs inside the DHT process: whether the node's validators sign a record under
-    ``owner_subkey`` with the matching private key."""
-    record_validator = node.protocol.record_validator
-    record = DHTRecord(b"signing-key-check", MSGPackSerializer.dumps(owner_subkey), MSGPackSerializer.dumps(0), 0.0)
-    signed = dataclasses.replace(record, value=record_validator.sign_value(record))
-    # validate() checks the signature against the key in the subkey, whatever the validator's own key
-    return signed.value != record.value and RSASignatureValidator().validate(signed)
+async def _signs_with_key(_dht: DHT, node: Any, *, owner_subkey: bytes, checker: RSASignatureValidator) -> bool:
+    """Runs inside the DHT process: whether the node's validators sign a record under ``owner_subkey``."""
+    return signs_with_key(node.protocol.record_validator, owner_subkey, checker=checker)
 
 
 def _count(value: Any, name: str) -> int:
@@ -1032,6 +1011,7 @@ __all__ = [
     "ProgressTrackerConfig",
     "SpeedEstimate",
     "aggregate_progress",
+    "default_signing_key",
     "is_ready_to_update_epoch",
     "parse_progress_records",
     "parse_progress_value",

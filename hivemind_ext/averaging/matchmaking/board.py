@@ -49,7 +49,7 @@ _GROUP_ID = re.compile(r"[0-9a-f]{32}")
 class Write:
     """One record to store: what the protocol asks the I/O layer to put into the DHT."""
 
-    subkey: str
+    subkey: str | bytes  # plain; the I/O layer stores it under its signed form (bytes), see .authenticity
     value: dict[str, Any]
     expiration_time: float
 

@@ -92,9 +92,11 @@ Failure modes
   the prefix: cheap for tens of peers. Group bits (``initial_group_bits``, ``set_group_bits``)
   split the board into one per key, as hivemind does; choosing them automatically as the swarm
   grows is not done yet (issue 14).
-- *Hostile writers.* The DHT is open: records are validated and malformed ones skipped, but a peer
-  can still declare false roles or seal groups for others (as in hivemind, matchmaking is not
-  authenticated).
+- *Hostile writers.* The DHT is open: records are validated and malformed ones skipped. Every
+  record is signed by its writer's RSA key and believed only if it speaks for the peer that signed
+  it (:mod:`.authenticity`): nobody can overwrite, withdraw or forge another peer's declaration,
+  seal or commit. A peer can still declare false roles or bandwidth for itself, and declare under
+  peer ids it makes up (a Sybil), which delays groups by up to ``request_timeout`` as a dead peer does.
 """
 
 from __future__ import annotations
@@ -111,7 +113,9 @@ from hivemind import DHT
 from hivemind.dht import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
+from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
 from hivemind_ext.averaging.matchmaking.board import Write, board_key, parse_board
 from hivemind_ext.averaging.matchmaking.group import Board, Declaration, GroupInfo, MatchmakingConfig, Member
 from hivemind_ext.averaging.matchmaking.listed import ListedPeers
@@ -130,6 +134,7 @@ from hivemind_ext.errors import (
     PeerUnreachableError,
 )
 from hivemind_ext.p2p.dht_calls import DHTCalls
+from hivemind_ext.p2p.signing import OwnerBook, default_signing_key, install_signing, owner_marker, signed_subkey
 
 logger = logging.getLogger(__name__)
 COMMIT_ATTEMPTS = 3  # the commit is the one write that must land: members only ever return a committed group
@@ -144,14 +149,28 @@ class Matchmaker:
     :param dht: a running hivemind DHT; the matchmaker only stores and reads records through it.
     :param peer_id: this peer's id as other members will address it; defaults to the DHT's.
     :param dht_calls: the peer runtime's DHT helper (default: one of the matchmaker's own around ``dht``).
+    :param signing_key: the RSA key the DHT signs this peer's records with (default: this DHT's, see
+        :func:`~hivemind_ext.p2p.signing.default_signing_key`).
     """
 
     def __init__(
-        self, config: MatchmakingConfig, *, dht: DHT, peer_id: PeerID | None = None, dht_calls: DHTCalls | None = None
+        self,
+        config: MatchmakingConfig,
+        *,
+        dht: DHT,
+        peer_id: PeerID | None = None,
+        dht_calls: DHTCalls | None = None,
+        signing_key: RSAPrivateKey | None = None,
     ) -> None:
         self.config = config
         self.peer_id = peer_id if peer_id is not None else dht.peer_id
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
+        if signing_key is None:
+            signing_key = default_signing_key(dht) if dht is not None else RSAPrivateKey()
+        self._signing_key, self._owner = signing_key, owner_marker(signing_key)
+        self._signer = self.peer_id.to_base58()
+        self.owners = OwnerBook(own=(self._signer, self._owner))  # whose key speaks for which peer id
+        self._protected: set[str] = set()  # board keys whose unsigned entries the DHT already refuses
         self._busy = False
         # who this peer has seen on its board lately (the all-reduce's admission reserves slots for them)
         self.listed = ListedPeers()
@@ -195,10 +214,31 @@ class Matchmaker:
                 self.config = dataclasses.replace(config, expected_group_size=expected_group_size)
             if group_bits is not None and group_bits != config.group_bits:
                 self.config = dataclasses.replace(self.config, group_bits=group_bits)
-            return await self._look(self._declaration(deadline, scheduled_time))
+            declaration = self._declaration(deadline, scheduled_time)
+            await self._install_signing(declaration.deadline)
+            return await self._look(declaration)
         finally:
             self.config = config
             self._busy = False
+
+    async def prepare(self, *, timeout: float) -> None:
+        """Sets up record signing for the current board key ahead of the first search (the averager
+        calls it at start), so that the first round does not spend its matchmaking time on it.
+
+        :raises MatchmakingError: the DHT did not answer in time (the first search tries again)
+        """
+        await self._install_signing(get_dht_time() + timeout)
+
+    async def _install_signing(self, deadline: float) -> None:
+        """Once per board key: the DHT signs this peer's records and refuses unsigned entries there."""
+        if self._key in self._protected:
+            return
+        timeout = max(0.0, min(self.config.request_timeout, deadline - get_dht_time()))
+        try:
+            await install_signing(self._dht_calls, self._signing_key, protected_keys=(self._key,), timeout=timeout)
+        except (ClosedError, DeadlineExceededError, PeerUnreachableError) as e:
+            raise MatchmakingError(f"could not set up record signing in the DHT: {e}") from e
+        self._protected.add(self._key)
 
     def _declaration(self, deadline: float, scheduled_time: float | None) -> Declaration:
         if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in (deadline, scheduled_time or 0.0)):
@@ -291,7 +331,8 @@ class Matchmaker:
         DHT process. Returns whether every write was stored, and the board (None if not read or the
         call failed). The protocol tolerates lost writes (except a leader's commit), so a failed
         write is only logged."""
-        request = functools.partial(_store_then_read, self._key, writes, read)
+        signed = tuple(dataclasses.replace(write, subkey=self._signed(write.subkey)) for write in writes)
+        request = functools.partial(_store_then_read, self._key, signed, read)
         # at most request_timeout, and never past the deadline (a DHT time: converted to the loop clock)
         timeout = max(0.0, min(self.config.request_timeout, deadline - get_dht_time()))
         try:
@@ -306,14 +347,17 @@ class Matchmaker:
             return not writes, None
         if not stored:
             logger.debug("some of the matchmaking records %s were not stored", [w.subkey for w in writes])
-        board = (
-            None
-            if entries is None
-            else parse_board(self.config.group_key, entries, get_dht_time(), self.config.fingerprint)
-        )
-        if board is not None:
-            self.listed.update(board, get_dht_time())
+        if entries is None:
+            return stored, None
+        now = get_dht_time()
+        believed = authenticate_board(entries, self.owners, now)
+        board = parse_board(self.config.group_key, believed, now, self.config.fingerprint)
+        self.listed.update(board, now)
         return stored, board
+
+    def _signed(self, subkey: Any) -> bytes:
+        """The subkey a record of this peer is stored under: signed by its key, speaking for it."""
+        return signed_subkey(subkey, self._signer, self._owner)
 
     def _withdraw(self, state: State) -> None:
         """Best effort, without waiting: the stores run in the DHT process even after we return."""
@@ -321,7 +365,8 @@ class Matchmaker:
             return
         for write in withdrawal(state, get_dht_time(), self.config):
             try:
-                self._dht_calls.store_nowait(self._key, write.value, write.expiration_time, subkey=write.subkey)
+                subkey = self._signed(write.subkey)
+                self._dht_calls.store_nowait(self._key, write.value, write.expiration_time, subkey=subkey)
             except Exception as e:  # a DHT that is already shut down cannot take the store
                 logger.debug("could not withdraw matchmaking record %s: %r", write.subkey, e)
 

@@ -33,6 +33,7 @@ from typing import Any
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from hivemind_ext.averaging.state_sharing.config import LOAD_STATE_HANDLER, StateSharingConfig
 from hivemind_ext.averaging.state_sharing.manifest import (
@@ -44,7 +45,7 @@ from hivemind_ext.averaging.state_sharing.manifest import (
     parse_manifest_request,
     refusal_response,
 )
-from hivemind_ext.averaging.state_sharing.records import MAX_VERSION, donor_value, donors_key
+from hivemind_ext.averaging.state_sharing.records import MAX_VERSION, donor_subkey, donor_value, donors_key
 from hivemind_ext.averaging.state_sharing.snapshot import PreparedState, SnapshotCache, StateGetter
 from hivemind_ext.errors import (
     ClosedError,
@@ -56,6 +57,7 @@ from hivemind_ext.errors import (
 )
 from hivemind_ext.p2p import HandlerConfig, Limits, Message, RPCContext, RPCServer, TaskOwner, now, wait_until
 from hivemind_ext.p2p.dht_calls import DHTCalls
+from hivemind_ext.p2p.signing import default_signing_key, install_signing
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ class StateDonor:
     :param hooks: fault injection for tests.
     :param state_lock: held while the tensors ``get_state`` returned are copied (the lock under which
       training changes them, e.g. the averager's); each download serves such a copy.
+    :param signing_key: the RSA key the DHT signs this peer's records with (default: this DHT's,
+      see :func:`~hivemind_ext.p2p.signing.default_signing_key`); the record goes under its owner subkey.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class StateDonor:
         server: RPCServer | None = None,
         dht_calls: DHTCalls | None = None,
         state_lock: AbstractContextManager[Any] | None = None,
+        signing_key: RSAPrivateKey | None = None,
     ) -> None:
         if not callable(get_state):
             raise ConfigurationError(f"get_state must be callable, got {type(get_state).__name__}")
@@ -138,6 +143,8 @@ class StateDonor:
             state_lock=state_lock,
         )
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
+        self._signing_key = signing_key if signing_key is not None else default_signing_key(dht)
+        self._owner = b""  # the owner marker of the signing key, once the DHT signs with it (start())
         if server is not None:
             self._server = server.scope(config.rpc_namespace, config=self._handler_config())
         else:
@@ -169,6 +176,9 @@ class StateDonor:
         if client_mode:
             logger.debug("state donor of %s is in client mode: not serving, not advertising", self.config.prefix)
             return
+        self._owner = await install_signing(
+            self._dht_calls, self._signing_key, protected_keys=(donors_key(self.config.prefix),), timeout=timeout
+        )
         await self._server.add_stream(LOAD_STATE_HANDLER, self._serve_download, timeout=timeout)
         self.serving = True
         self._tasks.spawn(self._advertise_forever(self._changed), name=f"advertise state of {self.config.prefix}")
@@ -257,7 +267,7 @@ class StateDonor:
                 donors_key(self.config.prefix),
                 donor_value(self._version, accepts),
                 expiration,
-                subkey=self.p2p.peer_id.to_base58(),
+                subkey=donor_subkey(self.p2p.peer_id.to_base58(), self._owner),
                 timeout=timeout,
             )
         except HivemindExtError as e:  # timed out, failed, or the DHT is stopped

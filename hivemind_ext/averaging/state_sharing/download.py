@@ -70,7 +70,7 @@ from hivemind_ext.averaging.state_sharing.manifest import (
     manifest_request,
     parse_manifest,
 )
-from hivemind_ext.averaging.state_sharing.records import DonorRecord, donor_tiers, donors_key, parse_donor_records
+from hivemind_ext.averaging.state_sharing.records import DonorRecord, donor_tiers, donors_key, read_donor_records
 from hivemind_ext.averaging.tensor_layout import TensorSpec
 from hivemind_ext.compression import decompress
 from hivemind_ext.errors import (
@@ -97,6 +97,7 @@ from hivemind_ext.p2p import (
     wait_until,
 )
 from hivemind_ext.p2p.dht_calls import DHTCalls
+from hivemind_ext.p2p.signing import default_signing_key, install_signing
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,8 @@ class StateLoader:
     def __init__(self, config: StateSharingConfig, *, dht: DHT, p2p: P2P, dht_calls: DHTCalls | None = None) -> None:
         self.config, self.dht, self.p2p = config, dht, p2p
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
+        self.skipped_records = 0  # donor records skipped so far: unsigned, malformed or expired
+        self._validating = False  # whether the DHT validates (and strips) signed records yet
         limits = Limits(max_payload_bytes=max(MAX_MANIFEST_BYTES, MAX_CHUNK_PAYLOAD_BYTES))
         self.client = RPCClient(p2p, config.rpc_namespace, limits=limits, default_timeout=DEFAULT_LOAD_TIMEOUT)
         self._banned: dict[str, float] = {}  # base58 peer id -> time.monotonic() until which it is skipped
@@ -352,6 +355,11 @@ class StateLoader:
 
     async def _read_donors(self, deadline: float) -> list[DonorRecord]:
         try:
+            if not self._validating:
+                key, timeout = default_signing_key(self.dht), min(remaining(deadline), self.config.dht_timeout)
+                protected = (donors_key(self.config.prefix),)
+                await install_signing(self._dht_calls, key, protected_keys=protected, timeout=timeout, verify=False)
+                self._validating = True
             result = await self._dht_calls.get(
                 donors_key(self.config.prefix), latest=True, deadline=min(deadline, now() + self.config.dht_timeout)
             )
@@ -359,13 +367,15 @@ class StateLoader:
             raise StateLoadError(f"could not read the state donors from the DHT: {type(e).__name__}: {e}") from e
         value = getattr(result, "value", None)  # None: no donor ever advertised under this prefix
         entries = value.items() if isinstance(value, dict) else ()
-        return parse_donor_records(
+        records, skipped = read_donor_records(
             (
                 (subkey, getattr(item, "value", None), getattr(item, "expiration_time", None))
                 for subkey, item in entries
             ),
             get_dht_time(),
         )
+        self.skipped_records += skipped
+        return records
 
 
 class _TierDownload:

@@ -1,13 +1,18 @@
 """How donors advertise their state in hivemind's DHT, and how newcomers read and rank the records.
 
-All donors of a prefix write under one DHT key (:func:`donors_key`), one subkey per donor (its
-peer id in base58), so one ``get(key, latest=True)`` lists them all. A record is
-``{"version": int, "accepts": bool}`` with an expiration ``declare_state_period`` ahead, refreshed
-while the donor runs; a donor that stops sharing overwrites it with ``accepts: False``.
+All donors of a prefix write under one DHT key (:func:`donors_key`), one subkey per donor, so one
+``get(key, latest=True)`` lists them all. A record is ``{"version": int, "accepts": bool}`` with an
+expiration ``declare_state_period`` ahead, refreshed while the donor runs; a donor that stops
+sharing overwrites it with ``accepts: False``.
 
-The DHT is open to anyone, so every record is validated and a malformed one is skipped. A record
-only says where to ask: the version a newcomer ends up with is the one in the donor's manifest,
-and the peer it talks to is authenticated by libp2p.
+The subkey is signed (:mod:`hivemind_ext.p2p.signing`): ``donor@<peer id>[owner:<public key>]``,
+so only the donor's own key can write or overwrite its record, and DHT nodes refuse entries under
+any other subkey. Another key can still publish a record that claims the same peer id; readers
+cannot tell which key is the donor's, so a claim under one key never hides a claim under another:
+a peer is a candidate if any valid record for it says it accepts (:func:`merge_donor_claims`).
+That is safe because a record only says where to ask: the peer a newcomer then talks to is
+authenticated by libp2p, it refuses if it does not share, and the version a newcomer ends up with
+is the one in the donor's manifest. Malformed, expired and unsigned records are skipped and counted.
 """
 
 from __future__ import annotations
@@ -15,17 +20,17 @@ from __future__ import annotations
 import logging
 import math
 import random
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from hivemind_ext.errors import ProtocolError
+from hivemind_ext.p2p.signing import signed_subkey, split_signed_subkey
 
 logger = logging.getLogger(__name__)
 
 MAX_VERSION = 2**63 - 1
-_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58
+DONOR_TAG = "donor"
 
 
 @dataclass(frozen=True)
@@ -34,11 +39,17 @@ class DonorRecord:
     version: int
     accepts: bool
     expiration: float
+    owner: bytes = b""  # the [owner:<public key>] marker that signed the record
 
 
 def donors_key(prefix: str) -> str:
     """The DHT key under which the donors of a prefix advertise (versioned with the record format)."""
-    return f"{prefix}.state_donors.v1"
+    return f"{prefix}.state_donors.v2"
+
+
+def donor_subkey(peer_id: str, owner: bytes) -> bytes:
+    """The signed subkey of a donor's record (``owner``: its key's ``[owner:...]`` marker)."""
+    return signed_subkey(DONOR_TAG, peer_id, owner)
 
 
 def donor_value(version: int, accepts: bool) -> dict[str, Any]:
@@ -46,22 +57,43 @@ def donor_value(version: int, accepts: bool) -> dict[str, Any]:
 
 
 def parse_donor_records(entries: Iterable[tuple[Any, Any, Any]], now: float) -> list[DonorRecord]:
-    """Records from ``(subkey, value, expiration)`` triples, skipping expired and malformed ones."""
-    records = []
+    """One record per donor from ``(subkey, value, expiration)`` triples, skipping expired, unsigned
+    and malformed ones (see :func:`read_donor_records`)."""
+    return read_donor_records(entries, now)[0]
+
+
+def read_donor_records(entries: Iterable[tuple[Any, Any, Any]], now: float) -> tuple[list[DonorRecord], int]:
+    """One record per donor (claims for one peer id merged by :func:`merge_donor_claims`), and how
+    many entries were skipped as expired-but-kept, unsigned or malformed."""
+    claims: dict[str, list[DonorRecord]] = {}
+    skipped = 0
     for subkey, value, expiration in entries:
         try:
-            records.append(parse_donor_record(subkey, value, expiration, now))
+            record = parse_donor_record(subkey, value, expiration, now)
         except ProtocolError as e:
+            skipped += 1
             logger.debug("skipping a state donor record %.80r: %s", subkey, e)
-    return records
+            continue
+        claims.setdefault(record.peer_id, []).append(record)
+    return [merge_donor_claims(records) for records in claims.values()], skipped
+
+
+def merge_donor_claims(records: list[DonorRecord]) -> DonorRecord:
+    """The records that claim one peer id, under different keys, as one: an accepting claim wins
+    (the newest version it names), so that a claim under another key can never hide the donor."""
+    accepting = [record for record in records if record.accepts]
+    if len(records) > 1:
+        logger.debug("%d keys claim state donor %s", len(records), records[0].peer_id)
+    return max(accepting or records, key=lambda record: (record.version, record.expiration))
 
 
 def parse_donor_record(subkey: Any, value: Any, expiration: Any, now: float) -> DonorRecord:
     """One record; raises :class:`ProtocolError` if anything in it is malformed or it has expired."""
     if not _is_finite(expiration) or expiration <= now:
         raise ProtocolError("expired or malformed expiration")
-    if not isinstance(subkey, str) or not _PEER_ID.fullmatch(subkey):
-        raise ProtocolError("the subkey must be a base58 peer id")
+    signed = split_signed_subkey(subkey)
+    if signed.tag != DONOR_TAG:
+        raise ProtocolError(f"not a donor record: {signed.tag!r}")
     if not isinstance(value, dict) or set(value) != {"version", "accepts"}:
         raise ProtocolError("the value must be a map with keys version and accepts")
     version, accepts = value["version"], value["accepts"]
@@ -69,7 +101,7 @@ def parse_donor_record(subkey: Any, value: Any, expiration: Any, now: float) -> 
         raise ProtocolError(f"version must be an integer in [0, 2**63), got {version!r:.40}")
     if not isinstance(accepts, bool):
         raise ProtocolError("accepts must be a bool")
-    return DonorRecord(subkey, version, accepts, float(expiration))
+    return DonorRecord(signed.peer_id, version, accepts, float(expiration), signed.owner)
 
 
 def donor_tiers(
