@@ -28,6 +28,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from hivemind_ext.averaging.allreduce.aggregators import DEFAULT_NORM_BOUND
 from hivemind_ext.averaging.allreduce.service import (
     DEFAULT_PART_SIZE_BYTES,
     AllreduceConfig,
@@ -112,6 +113,13 @@ class DecentralizedAverager:
       daemons' encryption and copies, which dominate the CPU cost of large rounds on fast links.
     :param fingerprint: the run's fingerprint digest: matchmaking groups this peer only with peers
       that declare the same one (or none); see ``MatchmakingConfig.fingerprint``
+    :param aggregator: how the owner of each part combines the group's contributions: None (the
+      weighted mean), or a robust one: ``CenteredClip(tau=..., iterations=...)``,
+      ``TrimmedMean(trim=...)`` (from ``hivemind_ext.averaging``); every member of a group should
+      use the same. From an Optimizer: ``averager_opts=dict(aggregator=...)``
+    :param norm_bound: a contribution whose norm on a part exceeds this many times the median of
+      the group's norms is excluded from that part (reported in ``last_round.excluded``, logged at
+      WARNING); on by default (100x) with any aggregator, ``None`` turns it off
     """
 
     def __init__(
@@ -145,6 +153,8 @@ class DecentralizedAverager:
         shutdown_timeout: float = 5,
         direct_data_path: str | None = None,
         fingerprint: str = "",
+        aggregator: Any = None,
+        norm_bound: float | None = DEFAULT_NORM_BOUND,
     ):
         del min_vector_size, daemon  # hivemind internals with no meaning here
         self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
@@ -190,6 +200,8 @@ class DecentralizedAverager:
             part_size_bytes=part_size_bytes,
             allreduce_timeout=allreduce_timeout,
             next_chunk_timeout=next_chunk_timeout if next_chunk_timeout is not None else sender_timeout,
+            aggregator=aggregator,
+            norm_bound=norm_bound,
         )
         del reducer_timeout  # one per-chunk timeout covers both directions here
         self.state_sharing_config = StateSharingConfig(
