@@ -11,6 +11,9 @@ an attacker that downloaded the state would) and send instead:
 - ``random``: Gaussian noise with 10x the gradient's norm (within the bound);
 - ``sign_flip``: minus 10x the gradient (within the bound).
 
+By default 1 of 8 peers is hostile in each mode, and 2 of 8 in ``sign_flip2`` (any ``MODE2``
+case can be asked for with ``--cases``; hivemind is not run for 2-of-8 cases).
+
 (A lying state donor is another item of issue 12, not measured here.) Each case reports the mean
 held-out loss of the honest peers' final models, for plain averaging (with the default norm bound),
 CenteredClip and TrimmedMean; the "hivemind" figure of an attack case is hivemind's own
@@ -20,8 +23,8 @@ gives hivemind's round time. Non-finite losses are printed as such and reported 
 This drives the averager directly (not the Optimizer's progress tracking and epochs) so that every
 case sees exactly the same batches and the same number of rounds: the aggregation is what differs.
 
-    python benchmarks/robust.py                 # defaults: 8 peers, 30 steps, all cases (< 10 min on 2 cores)
-    python benchmarks/robust.py --steps 60 --cases clean scaled
+    python benchmarks/robust.py                 # defaults: 8 peers, 25 rounds, ~9 min on a loaded 2-core box
+    python benchmarks/robust.py --steps 40 --cases clean scaled scaled2 random2
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from common import Result, describe_machine, emit, lower_is_better
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 HIDDEN = 128
 BATCH = 32
-LR, MOMENTUM = 0.1, 0.9
+LR, MOMENTUM = 0.3, 0.9
 STEP_TIMEOUT = 30.0
 MODES = ("scaled", "random", "sign_flip")
 
@@ -226,10 +229,9 @@ def cases_for(selected: Sequence[str], peers: int) -> list[Case]:
         if mode in selected:
             cases += [Case(f"{mode} 1/{peers}", "ours", a, mode, 1) for a in ("plain", "centered_clip", "trimmed_mean")]
             cases.append(Case(f"{mode} 1/{peers}", "hivemind", "plain", mode, 1))
-    for mode in ("scaled", "sign_flip"):
+    for mode in MODES:  # hivemind is left out here to keep the default run under 10 minutes on 2 cores
         if f"{mode}2" in selected:
             cases += [Case(f"{mode} 2/{peers}", "ours", a, mode, 2) for a in ("plain", "centered_clip", "trimmed_mean")]
-            cases.append(Case(f"{mode} 2/{peers}", "hivemind", "plain", mode, 2))
     return cases
 
 
@@ -248,9 +250,9 @@ def _finite(value: float) -> float | None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--peers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=30, help="averaging rounds per case (~5 epochs of digits)")
+    parser.add_argument("--steps", type=int, default=25, help="averaging rounds per case (~4 epochs of digits)")
     parser.add_argument(
-        "--cases", nargs="+", default=["clean", *MODES, "scaled2", "sign_flip2"], help="clean, attack modes, or MODE2"
+        "--cases", nargs="+", default=["clean", *MODES, "sign_flip2"], help="clean, MODE (1 hostile), MODE2 (2 hostile)"
     )
     parser.add_argument("--tau", type=float, default=None, help="CenteredClip radius per part (default: calibrated)")
     args = parser.parse_args(argv)
