@@ -291,3 +291,27 @@ def test_centered_clip_keeps_the_average_close_to_the_honest_mean(swarm: list[hi
     finally:
         for averager in group:
             averager.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_the_optimizer_hands_the_aggregator_to_its_averagers(swarm: list[hivemind.DHT]) -> None:
+    import hivemind_ext
+
+    clip = CenteredClip(tau=0.5, iterations=5)
+    model = torch.nn.Linear(4, 2)
+    opt = hivemind_ext.Optimizer(
+        dht=swarm[0],
+        run_id=f"robust-opt-{next(_prefixes)}",
+        batch_size_per_step=4,
+        target_batch_size=16,
+        params=model.parameters(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        averager_opts=dict(aggregator=clip, norm_bound=30.0),
+    )
+    try:
+        averagers = [opt.grad_averager, opt.state_averager]
+        assert all(a is not None and a.allreduce_config.aggregator == clip for a in averagers)
+        assert all(a.allreduce_config.norm_bound == 30.0 for a in averagers)
+    finally:
+        opt.shutdown()
