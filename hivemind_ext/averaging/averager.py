@@ -28,6 +28,7 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from hivemind_ext.averaging.allreduce.aggregators import DEFAULT_NORM_BOUND
 from hivemind_ext.averaging.allreduce.service import (
     DEFAULT_PART_SIZE_BYTES,
     AllreduceConfig,
@@ -117,6 +118,13 @@ class DecentralizedAverager:
       (see ``StateSharingConfig.require_agreement``); for peers whose states should be identical
     :param reject_non_finite_state: a downloaded chunk holding NaN or Inf bans its donor (see
       ``StateSharingConfig.reject_non_finite``)
+    :param aggregator: how the owner of each part combines the group's contributions: None (the
+      weighted mean), or a robust one: ``CenteredClip(tau=..., iterations=...)``,
+      ``TrimmedMean(trim=...)`` (from ``hivemind_ext.averaging``); every member of a group should
+      use the same. From an Optimizer: ``averager_opts=dict(aggregator=...)``
+    :param norm_bound: a contribution whose norm on a part exceeds this many times the median of
+      the group's norms is excluded from that part (reported in ``last_round.excluded``, logged at
+      WARNING); on by default (100x) with any aggregator, ``None`` turns it off
     """
 
     def __init__(
@@ -152,6 +160,8 @@ class DecentralizedAverager:
         fingerprint: str = "",
         require_agreement: bool = False,
         reject_non_finite_state: bool = False,
+        aggregator: Any = None,
+        norm_bound: float | None = DEFAULT_NORM_BOUND,
     ):
         del min_vector_size, daemon  # hivemind internals with no meaning here
         self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
@@ -197,6 +207,8 @@ class DecentralizedAverager:
             part_size_bytes=part_size_bytes,
             allreduce_timeout=allreduce_timeout,
             next_chunk_timeout=next_chunk_timeout if next_chunk_timeout is not None else sender_timeout,
+            aggregator=aggregator,
+            norm_bound=norm_bound,
         )
         del reducer_timeout  # one per-chunk timeout covers both directions here
         self.state_sharing_config = StateSharingConfig(

@@ -13,6 +13,13 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
+from hivemind_ext.averaging.allreduce.aggregators import (
+    DEFAULT_NORM_BOUND,
+    Aggregator,
+    WeightedMean,
+    check_aggregator,
+    check_norm_bound,
+)
 from hivemind_ext.compression import Codec, NoCompression
 from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import ConfigurationError
@@ -49,6 +56,12 @@ class AllreduceConfig:
       Off by default: measured on 2 cores with 4 peers, handing every chunk to a thread costs more
       (GIL hand-offs stall the event loop, buffers cross malloc arenas) than the overlap gains; it
       can pay off on machines with cores to spare and expensive codecs.
+    :param aggregator: how each owner combines the contributions to its part: ``None`` or
+      ``WeightedMean()`` (plain averaging, streamed), ``CenteredClip(tau=..., iterations=...)`` or
+      ``TrimmedMean(trim=...)`` (robust to hostile contributions; see :mod:`.aggregators`)
+    :param norm_bound: a contribution whose norm on a part exceeds this many times the median norm
+      of the part's contributions is excluded from it (and reported in the round's result), with
+      any aggregator; ``None`` turns the bound off
     """
 
     compression: Any = dataclasses.field(default_factory=NoCompression)
@@ -57,6 +70,8 @@ class AllreduceConfig:
     allreduce_timeout: float | None = None
     collect_timeout: float | None = None
     offload_codecs: bool = False
+    aggregator: Aggregator = dataclasses.field(default_factory=WeightedMean)
+    norm_bound: float | None = DEFAULT_NORM_BOUND
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", _codec(self.compression))
@@ -74,6 +89,8 @@ class AllreduceConfig:
             )
         if not isinstance(self.offload_codecs, bool):
             raise ConfigurationError(f"offload_codecs must be a bool, got {self.offload_codecs!r}")
+        object.__setattr__(self, "aggregator", check_aggregator(self.aggregator))
+        object.__setattr__(self, "norm_bound", check_norm_bound(self.norm_bound))
 
     def _resolve(self, name: str, default: float) -> None:
         value = getattr(self, name)

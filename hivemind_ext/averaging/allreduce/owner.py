@@ -6,7 +6,8 @@ Life of the part (:meth:`OwnedPart.run`)::
     wait until every sender is done or excluded, excluding
       - senders that have not joined by the join deadline (start + next_chunk_timeout),
       - senders still sending at the collect deadline (start + collect_timeout)
-    finalize: weighted mean over the senders that delivered the whole part (PartReducer)
+    finalize: weighted mean (or the configured robust aggregate) over the senders that delivered
+      the whole part, less those the norm bound rejects (PartReducer)
     publish: start compressing each chunk of the average once (with Float16OrMinMax16 where the
       round's codec is Float16Compression: same bytes, float16's error or less, see
       round_state.chunk_codec); every sender's stream handler sends each of these messages as soon
@@ -66,7 +67,15 @@ class OwnedPart:
         self.senders = context.senders()
         # weights are set when each sender joins; a sender that never joins never contributes
         weights = dict.fromkeys(self.senders, 0.0)
-        self.reducer = PartReducer(spec.size, 1, weights, context.tensors.device, bounds=spec.bounds)
+        self.reducer = PartReducer(
+            spec.size,
+            1,
+            weights,
+            context.tensors.device,
+            bounds=spec.bounds,
+            aggregator=context.config.aggregator,
+            norm_bound=context.config.norm_bound,
+        )
         self._lock = asyncio.Lock()  # reducer calls (in worker threads if offloaded) run one at a time
         self._pending = set(self.senders)  # neither done nor excluded
         self._joined: set[PeerID] = set()
@@ -122,7 +131,10 @@ class OwnedPart:
             self._published.set()
             context.tensors.keep_local(self.spec)
             return context.not_averaged(self.spec, str(e))
-        self._contributors = tuple(sender for sender in self.senders if sender in self._delivered)
+        contributors = self._delivered if reduced is None else set(reduced.contributors)
+        self._contributors = tuple(sender for sender in self.senders if sender in contributors)
+        for sender, reason in reduced.rejected.items() if reduced is not None else ():
+            context.exclude(sender, reason)  # delivered, but its values were left out (norm bound)
         if reduced is not None:
             self._average, self._results = reduced.values, [None] * len(self.spec.chunks)
         self._gathered = context.all_gathered()
