@@ -49,7 +49,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, higher_is_better, lower_is_better
+from common import Digits, Result, describe_machine, emit, higher_is_better, load_digits, lower_is_better
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
@@ -59,25 +59,6 @@ HIDDEN = 512
 
 
 # ----- the problem
-
-
-@dataclasses.dataclass
-class Digits:
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-
-
-def load_digits() -> Digits:
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    data = sklearn_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    test, train = order[:300], order[300:]
-    return Digits(x[train], y[train], x[test], y[test])
 
 
 def make_model() -> torch.nn.Module:

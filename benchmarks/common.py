@@ -72,3 +72,25 @@ def describe_machine() -> str:
 def emit(benchmark: str, results: list[Result]) -> None:
     """Prints the closing JSON line of the output contract."""
     print(json.dumps({"benchmark": benchmark, "results": [asdict(r) for r in results]}), flush=True)
+
+
+# ----- the digits problem (algorithms.py, robust.py)
+
+
+@dataclass
+class Digits:
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+def load_digits() -> Digits:
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    data = sklearn_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    test, train = order[:300], order[300:]
+    return Digits(x[train], y[train], x[test], y[test])

@@ -44,7 +44,7 @@ import hivemind
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, lower_is_better
+from common import Digits, Result, describe_machine, emit, load_digits, lower_is_better
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 HIDDEN = 128
@@ -55,24 +55,6 @@ MODES = ("scaled", "random", "sign_flip")
 
 
 # ----- the problem
-
-
-@dataclasses.dataclass
-class Digits:
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-
-
-def load_digits() -> Digits:
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    data = sklearn_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    return Digits(x[order[300:]], y[order[300:]], x[order[:300]], y[order[:300]])
 
 
 def make_model() -> torch.nn.Module:
