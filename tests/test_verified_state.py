@@ -22,7 +22,7 @@ from typing import Any
 import hivemind
 import pytest
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
+from optim_swarm import FAST_TRACKER, signing_key
 from swarm import local_swarm, wait_for
 
 import hivemind_ext
@@ -36,8 +36,6 @@ pytestmark = pytest.mark.slow
 TARGET_BATCH_SIZE = 32
 BATCH_SIZE = 4
 LR = 0.01
-FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
-_KEYS: dict[hivemind.DHT, RSAPrivateKey] = {}
 
 
 # ----- a hostile donor
@@ -96,7 +94,7 @@ def make_optimizer(dht: hivemind.DHT, model: torch.nn.Module, run_id: str, **kwa
         matchmaking_time=1.0,
         averaging_timeout=5.0,
         load_state_timeout=30.0,
-        tracker_opts=dict(FAST_TRACKER, private_key=_KEYS.setdefault(dht, RSAPrivateKey())),
+        tracker_opts=dict(FAST_TRACKER, private_key=signing_key(dht)),
     )
     options.update(kwargs)
     return hivemind_ext.Optimizer(**options)
