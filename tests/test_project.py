@@ -28,8 +28,8 @@ def test_readme_has_exactly_two_setup_commands() -> None:
 # The one line .ci/run may add to the README's test command: Debian's chromium for the dashboard test
 # (tests/test_monitor.py), installed only where apt-get and root are available; the README shows it too.
 CHROMIUM_LINE = (
-    'if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get install -y chromium chromium-driver'
-    " || { apt-get update && apt-get install -y chromium chromium-driver; } || true; fi"
+    'if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get install -y chromium chromium-driver iptables'
+    " || { apt-get update && apt-get install -y chromium chromium-driver iptables; } || true; fi"
 )
 
 
