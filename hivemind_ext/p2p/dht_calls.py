@@ -24,6 +24,8 @@ import concurrent.futures
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from hivemind.utils.mpfuture import MPFuture
+
 from hivemind_ext.errors import ClosedError, DeadlineExceededError, PeerUnreachableError
 from hivemind_ext.p2p.deadlines import remaining, resolve_deadline, wait_until
 
@@ -142,7 +144,12 @@ def _awaitable(future: Any) -> Awaitable[Any]:
 
 
 def _cancel(future: Any) -> None:
-    """Drops interest in an abandoned request (in this process only: the DHT may still complete it)."""
+    """Drops interest in an abandoned request. hivemind's cross-process future is left alone: its
+    state is shared with the DHT process, which cannot answer a future cancelled from here and
+    prints a traceback instead ("InvalidStateError", at every Ctrl-C); its answer, when it comes,
+    is simply never read. A plain future (a test wrapper's) is cancelled."""
+    if isinstance(future, MPFuture):
+        return
     cancel = getattr(future, "cancel", None)
     if cancel is not None:
         cancel()
