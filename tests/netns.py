@@ -16,6 +16,9 @@ Everything is removed by :meth:`Topology.close` (deleting a namespace removes it
 which the context manager and an ``atexit`` hook call, also when setup fails half-way; namespaces
 left by a killed run with the same prefix are removed before a new topology is built.
 
+``HX_NETNS_TAG`` (a letter or two) is appended to every prefix, so that several runs on one machine
+(engineers' test runs side by side) never share, or delete, each other's namespaces and veths.
+
 Commands run inside a namespace with :meth:`Topology.popen` / :meth:`Topology.run`
 (``ip netns exec``). Only the addresses above are used: nothing leaves the machine.
 """
@@ -65,6 +68,9 @@ class Topology:
     net: int = 77
     peers: list[Peer] = field(default_factory=list)
     _namespaces: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prefix = tagged(self.prefix)
 
     def __enter__(self) -> Topology:
         check_available()
@@ -210,6 +216,14 @@ def unavailable_reason(nat: bool = False) -> str | None:
     return None
 
 
+def tagged(prefix: str) -> str:
+    """``prefix`` with this run's ``HX_NETNS_TAG`` appended."""
+    tag = os.environ.get("HX_NETNS_TAG", "")
+    if not tag.isalnum() and tag:
+        raise ValueError(f"HX_NETNS_TAG must be letters and digits, got {tag!r}")
+    return prefix + tag
+
+
 def remove_namespaces(prefix: str) -> None:
     """Deletes every namespace named ``<prefix>-*`` (left over by a killed run)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
@@ -220,6 +234,7 @@ def remove_namespaces(prefix: str) -> None:
 
 
 def namespaces_with_prefix(prefix: str) -> list[str]:
+    prefix = tagged(prefix)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     return [line.split()[0] for line in listed.splitlines() if line.strip().startswith(f"{prefix}-")]
 
