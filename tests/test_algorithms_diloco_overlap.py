@@ -24,10 +24,15 @@ from test_algorithms_diloco_async import (
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.optim.algorithms import DiLoCo
 from hivemind_ext.optim.algorithms.streaming import (
+    MAX_COUNT,
     OverlappedDiLoCoImpl,
+    after_download,
     fragment_offset,
     fragment_tensors,
     round_is_due,
+    round_window,
+    sanitized_phase,
+    steps_missed,
     update_is_fresh,
 )
 
@@ -76,6 +81,35 @@ def test_staleness_bound_applies_at_most_one_round_old_updates():
     assert not update_is_fresh(now_step=19, **fresh)  # the step counter went back (a download)
     # a download moved the fragment's round index since the round started: its update is stale
     assert not update_is_fresh(now_step=25, **{**fresh, "round_index": 4})
+
+
+def test_after_a_download_each_fragment_keeps_the_furthest_consistent_values():
+    assert after_download(mine=5, served=4, held=None) == "mine"  # the donor had not applied a round yet
+    assert after_download(mine=4, served=4, held=None) == "donor"
+    assert after_download(mine=3, served=4, held=4) == "held"  # the donor's round 4 was in flight
+    assert after_download(mine=3, served=5, held=4) == "donor"  # the donor applied it meanwhile
+    assert after_download(mine=-1, served=0, held=None) == "donor"  # a first download
+
+
+def test_a_joiner_skips_the_steps_the_swarm_made_during_its_download():
+    assert round_window([10.0, 10.5, 11.0], 10) == pytest.approx(5.0)
+    assert round_window([3.0], 10) == 0.0
+    assert steps_missed(2.0, 0.5, limit=10) == 4
+    assert steps_missed(2.0, 0.0, limit=10) == 0  # the donor's pace is unknown
+    assert steps_missed(0.0, 0.5, limit=10) == 0
+
+
+def test_a_hostile_donors_phase_cannot_stall_or_crash_a_joiner():
+    # the phase [inner step, seconds per step, round indices...] comes from a donor: its bad word is
+    # bounded, never an exception, a hang (skipping 1e30 steps) or a counter that float32 cannot advance
+    assert steps_missed(5.0, 1e-30, limit=10) == 10
+    assert steps_missed(5.0, float("nan"), limit=10) == 0
+    assert steps_missed(5.0, float("-inf"), limit=10) == 0
+    assert steps_missed(float("inf"), 1.0, limit=10) == 0
+    nan, inf = float("nan"), float("inf")
+    assert sanitized_phase([nan, -1.0, 1e30, 3.7, -inf]) == [0.0, 0.0, float(MAX_COUNT), 3.0, 0.0]
+    assert sanitized_phase([12.0, 0.25, 3.0]) == [12.0, 0.25, 3.0]
+    assert float(torch.tensor(float(MAX_COUNT), dtype=torch.float32) + 1) == MAX_COUNT + 1
 
 
 # ----- one peer: the math

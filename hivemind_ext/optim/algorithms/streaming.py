@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -73,6 +74,7 @@ from hivemind_ext.optim.algorithms.runner import ROUND_ERRORS, bucket_averager
 logger = logging.getLogger(__name__)
 
 _STEP, _SECONDS_PER_STEP, _ROUNDS = 0, 1, 2  # positions in the phase tensor
+MAX_COUNT = 1 << 23  # the phase is float32, which counts +1 exactly up to 2**24
 
 
 class OverlapSettings(OuterSettings, Protocol):
@@ -129,13 +131,26 @@ def round_window(step_ends: Sequence[float], inner_steps: int) -> float:
     return (step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) * inner_steps
 
 
-def steps_missed(download_seconds: float, seconds_per_step: float) -> int:
+def steps_missed(download_seconds: float, seconds_per_step: float, limit: int) -> int:
     """Inner steps the swarm made while a peer downloaded its state (the donor's pace, from the state):
-    the peer skips them so that it reaches the next rounds when the others do. At most the download's
-    length over the pace; 0 when the pace is unknown."""
-    if not (seconds_per_step > 0 and download_seconds > 0):
+    the peer skips them so that it reaches the next rounds when the others do. The download's length
+    over the pace, at most ``limit`` (one round: a donor's pace is its word, not a fact); 0 when the
+    pace is unknown or not a positive number."""
+    if not (math.isfinite(seconds_per_step) and seconds_per_step > 0 and 0 < download_seconds < math.inf):
         return 0
-    return int(download_seconds / seconds_per_step)
+    return int(min(download_seconds / seconds_per_step, limit))
+
+
+def sanitized_phase(phase: Sequence[float]) -> list[float]:
+    """A downloaded phase as this peer uses it: counters are whole numbers in [0, MAX_COUNT] and the
+    pace a non-negative number; anything else (NaN, Inf, negative: a donor's bad word) becomes 0."""
+    clean = []
+    for i, value in enumerate(phase):
+        if not (math.isfinite(value) and value >= 0):
+            clean.append(0.0)
+        else:
+            clean.append(float(value) if i == _SECONDS_PER_STEP else float(min(math.floor(value), MAX_COUNT)))
+    return clean
 
 
 def after_download(*, mine: int, served: int, held: int | None) -> str:
@@ -346,6 +361,9 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
             fragment.bucket.unpack()
             group_round = float(fragment.check.flat.item())
         me = str(self.context.dht.peer_id)
+        if not math.isfinite(group_round):  # a member sent garbage for its round index: trust nothing of it
+            self._not_applied(fragment, pending, "retry", group, "averaged a round index that is not a number")
+            return
         if group > 1 and report is not None and not averaged_by_group(report, me, pending.weight > 0):
             self._not_applied(fragment, pending, "retry", group, "did not average every part")
             return
@@ -449,9 +467,12 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
         self.state_loads += 1
         # the swarm went on while this peer downloaded: skip the inner steps it missed, and start the
         # rounds that were due meanwhile at the next step (the others' groups wait that long for it)
+        self.phase.copy_(torch.tensor(sanitized_phase(self.phase.tolist()), dtype=self.phase.dtype))
         loaded_step = self.step_index
         missed = steps_missed(
-            time.monotonic() - started if started is not None else 0.0, float(self.phase[_SECONDS_PER_STEP].item())
+            time.monotonic() - started if started is not None else 0.0,
+            float(self.phase[_SECONDS_PER_STEP].item()),
+            self.algorithm.inner_steps,
         )
         self.phase[_STEP] = float(loaded_step + missed)
         self._step_ends.clear()
