@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 PORT = 4310
-READY_TIMEOUT = 60.0
+READY_TIMEOUT = 120.0
 
 
 def shaped_round(
