@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,7 @@ def shaped_round(
                 if process.poll() is None:
                     process.kill()
                 process.wait(timeout=10)
+                _LINES.pop(process.pid, None)
 
 
 def _env() -> dict[str, str]:
@@ -108,19 +111,35 @@ def _say(process: subprocess.Popen, line: str) -> None:
 
 def _expect(process: subprocess.Popen, prefix: str, timeout: float) -> str:
     """The next line of ``process`` that starts with ``prefix`` (other lines are passed through)."""
-    import select
-
+    lines = _lines(process)
     deadline = time.monotonic() + timeout
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([process.stdout], [], [], left)[0]:
-            raise TimeoutError(f"a peer process said nothing starting with {prefix!r} in {timeout} s")
-        line = process.stdout.readline()
-        if not line:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"a peer process said nothing starting with {prefix!r} in {timeout} s") from None
+        if line is None:
             raise RuntimeError(f"a peer process exited with {process.wait()} before saying {prefix!r}")
         if line.startswith(prefix):
             return line
         sys.stderr.write(line)
+
+
+_LINES: dict[int, queue.Queue] = {}
+
+
+def _lines(process: subprocess.Popen) -> queue.Queue:
+    """The lines ``process`` prints, read by a thread (None at its end), so that waits can time out."""
+    if process.pid not in _LINES:
+        lines = _LINES[process.pid] = queue.Queue()
+
+        def pump() -> None:
+            for line in process.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+    return _LINES[process.pid]
 
 
 # ----- the peer process
@@ -215,6 +234,7 @@ async def _service_runner(spec: dict[str, Any], host: list[str], others: list[st
     members = tuple(Member(name, "attempt", None, False, False) for name in spec["names"])
     config = AllreduceConfig(**spec["config"])
     rounds = 0
+    trace = _Trace() if os.environ.get("HX_ROUND_TRACE") else None
 
     async def run(values: Any):
         nonlocal rounds
@@ -225,12 +245,47 @@ async def _service_runner(spec: dict[str, Any], host: list[str], others: list[st
             return None
         group = GroupInfo(bytes.fromhex(spec["group_id"]) + rounds.to_bytes(4, "big"), members)
         rounds += 1
-        result = await service.run_round(group, [values], config=config)
+        if trace is not None:
+            trace.start()
+        result = await service.run_round(group, [values], config=config, hooks=trace)
         excluded = {str(peer): reason for peer, reason in result.excluded.items()}
         missing = {str(peer): reason for peer, reason in getattr(result, "missing", {}).items()}
-        return result.tensors[0], {"excluded": excluded, "missing": missing, "all_averaged": result.all_averaged}
+        report = {"excluded": excluded, "missing": missing, "all_averaged": result.all_averaged}
+        if trace is not None:
+            report["trace"] = trace.events
+        return result.tensors[0], report
 
     return run
+
+
+def _trace_hooks() -> type:
+    from hivemind_ext.averaging.allreduce import RoundHooks
+
+    class Trace(RoundHooks):
+        """When this peer's chunks leave, its part's chunks arrive, and its results go out (HX_ROUND_TRACE=1)."""
+
+        def start(self) -> None:
+            self.started, self.events = time.monotonic(), {}
+
+        def _note(self, what: str) -> None:
+            self.events[what] = round(time.monotonic() - self.started, 3)
+
+        async def before_send_chunk(self, owner, part, index, message):
+            self._note(f"send p{part} first" if index == 0 else f"send p{part} last")
+            return message
+
+        async def after_receive_chunk(self, sender, part, index, message):
+            self._note("own part: first chunk in" if "own part: first chunk in" not in self.events else "own part: last chunk in")
+
+        async def before_send_result(self, sender, part, index, message):
+            self._note("results: first out" if "results: first out" not in self.events else "results: last out")
+            return message
+
+    return Trace
+
+
+def _Trace():  # noqa: N802 - a class made on first use (hivemind_ext is imported late in the peer)
+    return _trace_hooks()()
 
 
 if __name__ == "__main__":
