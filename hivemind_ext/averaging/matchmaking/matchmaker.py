@@ -88,15 +88,20 @@ Failure modes
   before they start matchmaking. Records live under one key read with ``latest=True``, which merges
   the answers of all nodes that hold it, so within one connected DHT no peer misses the board.
 - *Large swarms.* Every poll reads the whole board of the group key (a few hundred bytes per peer
-  and per recent attempt) from the nodes that hold it. Without group bits that is every peer of
-  the prefix: cheap for tens of peers. Group bits (``initial_group_bits``, ``set_group_bits``)
-  split the board into one per key, as hivemind does; choosing them automatically as the swarm
-  grows is not done yet (issue 14).
+  and per recent attempt) from the nodes that hold it. With a ``target_group_size``, peers carry
+  rotation coordinates and, given the swarm's size (``expected_group_size``), read and write only
+  their shard's board, which expects between one and ``target_group_size`` groups; a peer whose
+  shard is too empty at its scheduled time falls back to the coarser shard's board (see
+  :mod:`.rotation`). Group bits (``initial_group_bits``, ``set_group_bits``) split the board the
+  way hivemind does instead.
 - *Hostile writers.* The DHT is open: records are validated and malformed ones skipped. Every
   record is signed by its writer's RSA key and believed only if it speaks for the peer that signed
   it (:mod:`.authenticity`): nobody can overwrite, withdraw or forge another peer's declaration,
   seal or commit. A peer can still declare false roles or bandwidth for itself, and declare under
   peer ids it makes up (a Sybil), which delays groups by up to ``request_timeout`` as a dead peer does.
+  A peer that declares and never acts (never seals as a planned leader, never confirms) is left
+  out of the plans of the peers it stalled for a few request timeouts (:class:`.protocol.Looking`),
+  so refreshing its declaration cannot hold a group back for ever.
 """
 
 from __future__ import annotations
