@@ -12,7 +12,9 @@ The grouping rule (:func:`plan_groups`), applied to the peers that are looking f
   changes the groups of the peers that came before it, and peers with slightly different views of
   the DHT (one saw the newcomer, one did not) still agree on the senior groups. Peers with rotation
   coordinates (large swarms, see :mod:`.rotation`) are ranked by those first, so that each group
-  collects peers from different groups of the round before.
+  collects peers from different groups of the round before; given the swarm's size, they also
+  wait (until their scheduled time at most) for the shard's expected number of peers before
+  forming full groups.
 - Before anyone's scheduled time, only *full* groups (``target_group_size`` peers) form, at once,
   from the most senior peers; the remainder keeps waiting for more peers. If that remainder would
   be too small to ever form a group (fewer than ``min_group_size``), nobody forms a group yet: more
@@ -41,7 +43,15 @@ from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.matchmaking.group_key import check_group_bits
 from hivemind_ext.averaging.matchmaking.group_key import group_key as make_group_key
-from hivemind_ext.averaging.matchmaking.rotation import Digits, check_digits, in_shard, ranking, shard_key, split_evenly
+from hivemind_ext.averaging.matchmaking.rotation import (
+    Digits,
+    check_digits,
+    expected_in_shard,
+    in_shard,
+    ranking,
+    shard_key,
+    split_evenly,
+)
 from hivemind_ext.errors import ConfigurationError
 
 PeerKey = tuple[str, str]
@@ -78,7 +88,9 @@ class MatchmakingConfig:
         instead of waiting for the scheduled time. Auxiliary peers do not count, so a peer never waits
         for one (an auxiliary peer may decide not to join) nor forms a group without an expected
         contributor because an auxiliary peer took its place. A hint: a wrong value only delays or
-        hastens the group, the leader's seal keeps members consistent.
+        hastens the group, the leader's seal keeps members consistent. With ``target_group_size`` and
+        ``digits``: the swarm's size, from which the shard and the peers it expects follow (see
+        :mod:`.rotation`).
     :param digits: this peer's rotation coordinates (see :mod:`.rotation`; empty: no rotation): declared
         with every attempt, they rank the peers of a board so that groups mix across rounds.
     :param shard_depth: how many of the last ``digits`` name the shard whose board this peer uses
@@ -323,6 +335,10 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
         if config.target_group_size is None and expected is not None and contributing >= expected:
             if count >= config.min_group_size:  # every expected contributor is here: one group, now
                 return [tuple(sorted(ranked, key=_member_order))]
+        if config.digits and config.target_group_size is not None and expected is not None:
+            # rotating groups (see .rotation): wait for the shard, so that groups mix
+            if contributing < expected_in_shard(expected, config.target_group_size, config.shard_depth):
+                return []
         groups, rest = divmod(count, target)
         if config.target_group_size is None or 0 < rest < config.min_group_size:
             return []  # no group is full yet, or forming the full ones would strand the rest

@@ -21,6 +21,10 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   (:func:`shard_depth`), so a shard expects between ``M`` and ``M**2`` peers (exactly ``M`` when
   ``N = M**d``). ``N`` is a hint from the caller (the Optimizer passes the number of trainers its
   progress tracker sees); without one, ``depth = 0``: one board per prefix, still ranked as above.
+- **Waiting for the shard.** Given ``N``, the peers of a shard form groups before their scheduled
+  time only once the shard's expected ``N // M**depth`` peers are looking (:func:`expected_in_shard`),
+  not as soon as ``M`` are: peers that finished the last round together also start looking
+  together, and would otherwise form the same group again.
 - **Falling back.** A peer whose scheduled time has come without a group on its shard's board (the
   shard is too empty: fewer than ``min_group_size`` peers are looking) moves to the coarser shard,
   one digit shorter (:func:`coarser`), with a fresh attempt and its seniority, down to the prefix's
@@ -106,6 +110,12 @@ def shard_depth(swarm_size: int | None, base: int) -> int:
     while depth < DIGITS and base ** (depth + 2) <= swarm_size:
         depth += 1
     return depth
+
+
+def expected_in_shard(swarm_size: int, base: int, depth: int) -> int:
+    """How many peers a shard of ``depth`` digits expects in a swarm of ``swarm_size``: exactly this
+    many on a grid, and once every peer has been dealt ``depth`` digits by full groups."""
+    return max(1, swarm_size // base**depth)
 
 
 def shard_key(group_key: str, digits: Digits, depth: int, base: int) -> str:

@@ -116,7 +116,9 @@ def simulate_round(
     peers = []
     for index, (peer_id, digits) in enumerate(sorted(coordinates.items())):
         start = rnd.uniform(0, spread)
-        mine = dataclasses.replace(config, digits=tuple(digits), shard_depth=min(depth, len(digits)))
+        mine = dataclasses.replace(
+            config, digits=tuple(digits), shard_depth=min(depth, len(digits)), expected_group_size=swarm_size
+        )
         member = Member(peer_id, f"{index:016x}", None, config.client_mode, config.auxiliary)
         ready_at = start + config.min_matchmaking_time if scheduled_time is None else max(start, scheduled_time)
         declaration = Declaration(member, mine.group_key, start, ready_at, until, digits=mine.digits)
