@@ -9,8 +9,9 @@ and the rounding of the kept ones) stays in the residual and is sent in a later 
 :class:`SparseTopK` for how that plays out in an all-reduce.
 
 All work is vectorized torch ops on the tensor's own device (``topk``, ``sort``, ``gather``, bit
-packing with ``index_add_``): no Python loop over chunks or values; one host sync to check the kept
-magnitudes are finite (encoding) and one to validate a message (decoding).
+packing by whole columns of rows of eight codes): no Python loop over chunks or values; one host sync
+to check the kept magnitudes are finite (encoding) and one to validate a message (decoding). On CPU,
+``torch.topk`` takes most of the encoding time; decoding is a zero fill plus one ``index_copy_``.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class SparseTopK(Codec):
     Error bound, per chunk c: a kept value is off by at most half a level, ``(hi_c - lo_c) / 2**bits``
     (plus float rounding); a dropped value ``x`` is off by ``|x| <= lo_c``. A chunk with fewer than k
     nonzero values keeps some zeros, which decode to ``±lo_c + half a level``. NaN or Inf raise
-    :class:`NonFiniteTensorError` (they are always among the top k: torch ranks NaN above all numbers).
+    :class:`NonFiniteTensorError`: they are always among the top k (the magnitudes of NaNs are positive
+    NaNs, which torch.topk ranks above every number), so the chunk's ``hi`` shows them.
 
     **In an all-reduce.** Each sender's slice of a part arrives compressed; the owner decodes it to a
     dense chunk (zeros where nothing was sent) and adds it to the weighted sum, so the average is the
@@ -208,7 +210,7 @@ class SparseTopK(Codec):
     def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
         layout = _layout(numel, params)
         stats, stats_nbytes = stats_dtype(dtype), layout.stats_nbytes(dtype)
-        out = torch.zeros(numel, dtype=dtype, device=payload.device)
+        out = new_output(numel, dtype, payload.device).zero_()  # huge pages for a large CPU output
         if numel == 0:
             return out
         lo = view_bytes_as(payload[: layout.chunks * stats.itemsize], stats)

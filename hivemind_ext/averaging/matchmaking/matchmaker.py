@@ -199,6 +199,7 @@ class Matchmaker:
         expected_group_size: int | None = None,
         group_bits: str | None = None,
         digits: tuple[int, ...] | None = None,
+        bandwidth: float | None = None,
     ) -> GroupInfo:
         """Wait until this peer is committed to a group, and return it.
 
@@ -211,6 +212,7 @@ class Matchmaker:
         :param digits: this peer's rotation coordinates (see :mod:`.rotation`; default: the config's).
             With ``target_group_size`` set, ``expected_group_size`` is then the swarm's size, which
             chooses the shard (:func:`.rotation.shard_depth`).
+        :param bandwidth: declare this bandwidth (default: the config's), e.g. a measured one
         :raises MatchmakingError: no group by the deadline (or another search of this matchmaker
             is still running, or the DHT is shut down).
         :raises ConfigurationError: a time that is not a finite number.
@@ -227,6 +229,8 @@ class Matchmaker:
                 self.config = dataclasses.replace(self.config, group_bits=group_bits)
             if digits is not None:
                 self.config = self._rotated(digits, expected_group_size)
+            if bandwidth is not None and bandwidth != config.bandwidth:
+                self.config = dataclasses.replace(self.config, bandwidth=bandwidth)
             declaration = self._declaration(deadline, scheduled_time)
             await self._install_signing(declaration.deadline)
             return await self._look(declaration)
