@@ -234,7 +234,7 @@ async def _service_runner(spec: dict[str, Any], host: list[str], others: list[st
     members = tuple(Member(name, "attempt", None, False, False) for name in spec["names"])
     config = AllreduceConfig(**spec["config"])
     rounds = 0
-    trace = _Trace() if os.environ.get("HX_ROUND_TRACE") else None
+    trace = _new_trace() if os.environ.get("HX_ROUND_TRACE") else None
 
     async def run(values: Any):
         nonlocal rounds
@@ -258,34 +258,32 @@ async def _service_runner(spec: dict[str, Any], host: list[str], others: list[st
     return run
 
 
-def _trace_hooks() -> type:
+def _new_trace() -> Any:
+    """Round hooks that note when this peer's first and last chunks leave for each owner, when its
+    own part's chunks arrive and when its results go out (seconds from the round's start), for
+    measurements (HX_ROUND_TRACE=1); the notes come back in the peer's report as "trace"."""
     from hivemind_ext.averaging.allreduce import RoundHooks
 
     class Trace(RoundHooks):
-        """When this peer's chunks leave, its part's chunks arrive, and its results go out (HX_ROUND_TRACE=1)."""
-
         def start(self) -> None:
             self.started, self.events = time.monotonic(), {}
 
-        def _note(self, what: str) -> None:
-            self.events[what] = round(time.monotonic() - self.started, 3)
+        def note(self, what: str) -> None:
+            key = f"{what} first" if f"{what} first" not in self.events else f"{what} last"
+            self.events[key] = round(time.monotonic() - self.started, 3)
 
-        async def before_send_chunk(self, owner, part, index, message):
-            self._note(f"send p{part} first" if index == 0 else f"send p{part} last")
+        async def before_send_chunk(self, owner: Any, part: int, index: int, message: Any) -> Any:
+            self.note(f"send to part {part}")
             return message
 
-        async def after_receive_chunk(self, sender, part, index, message):
-            self._note("own part: first chunk in" if "own part: first chunk in" not in self.events else "own part: last chunk in")
+        async def after_receive_chunk(self, sender: Any, part: int, index: int, message: Any) -> None:
+            self.note("own part: chunk in")
 
-        async def before_send_result(self, sender, part, index, message):
-            self._note("results: first out" if "results: first out" not in self.events else "results: last out")
+        async def before_send_result(self, sender: Any, part: int, index: int | None, message: Any) -> Any:
+            self.note("own part: result out")
             return message
 
-    return Trace
-
-
-def _Trace():  # noqa: N802 - a class made on first use (hivemind_ext is imported late in the peer)
-    return _trace_hooks()()
+    return Trace()
 
 
 if __name__ == "__main__":

@@ -173,6 +173,8 @@ class AllreduceResult:
       network (chunks both ways, gather data; not frame headers)
     :param members: the group's contributing members (all but auxiliary ones), in member order:
       whose values a complete round averages (see :attr:`missing`)
+    :param receive_rate: bytes/s at which this peer received during the round, what its
+      throughput estimate learns from (see :mod:`.throughput`); None if the round moved too little
     """
 
     tensors: list[torch.Tensor]
@@ -182,6 +184,7 @@ class AllreduceResult:
     bytes_sent: int
     bytes_received: int
     members: tuple[PeerID, ...] = ()
+    receive_rate: float | None = None
 
     @property
     def contributors(self) -> tuple[tuple[PeerID, ...], ...]:

@@ -114,6 +114,7 @@ class RoundRun:
             bytes_sent=context.traffic.sent,
             bytes_received=context.traffic.received,
             members=tuple(context.senders()),
+            receive_rate=context.traffic.receive_rate(context.started),
         )
 
     async def serve(self, sender: PeerID, first: Message, requests: RequestStream) -> AsyncIterator[Message]:
