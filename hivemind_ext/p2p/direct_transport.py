@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -209,18 +210,29 @@ class DirectStream(asyncio.BufferedProtocol):
             self._waiter.set_result(None)
 
 
-async def open_direct_connection(host: str, port: int) -> Connection:
-    """Connects to ``host:port``; (reader, writer) like ``asyncio.open_connection``."""
+async def open_direct_connection(
+    host: str, port: int, *, tls: ssl.SSLContext | None = None, server_name: str | None = None
+) -> Connection:
+    """Connects to ``host:port`` (over TLS with ``tls``, sending ``server_name`` as SNI); (reader,
+    writer) like ``asyncio.open_connection``. The caller bounds the wait (connect and handshake)."""
     loop = asyncio.get_running_loop()
-    transport, protocol = await loop.create_connection(DirectStream, host, port)
+    transport, protocol = await loop.create_connection(
+        DirectStream, host, port, ssl=tls, server_hostname=server_name if tls is not None else None
+    )
     return protocol, asyncio.StreamWriter(transport, protocol, None, loop)
 
 
 async def start_direct_server(
-    on_connection: Callable[[DirectStream, asyncio.StreamWriter], Awaitable[None]], host: str, port: int
+    on_connection: Callable[[DirectStream, asyncio.StreamWriter], Awaitable[None]],
+    host: str,
+    port: int,
+    *,
+    tls: ssl.SSLContext | None = None,
+    handshake_timeout: float = 5.0,
 ) -> asyncio.AbstractServer:
-    """Listens on ``host:port``; runs ``on_connection(reader, writer)`` in a new task per connection
-    (like ``asyncio.start_server``; the callback must adopt and finish its task)."""
+    """Listens on ``host:port`` (TLS with ``tls``: a handshake not done within ``handshake_timeout``
+    is dropped); runs ``on_connection(reader, writer)`` in a new task per connection, once its
+    handshake is done (like ``asyncio.start_server``; the callback must adopt and finish its task)."""
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()  # strong references until each task is done
 
@@ -229,4 +241,11 @@ async def start_direct_server(
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    return await loop.create_server(lambda: DirectStream(on_connected=connected), host, port, reuse_address=True)
+    return await loop.create_server(
+        lambda: DirectStream(on_connected=connected),
+        host,
+        port,
+        reuse_address=True,
+        ssl=tls,
+        ssl_handshake_timeout=handshake_timeout if tls is not None else None,
+    )
