@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import logging
 import math
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +36,7 @@ from hivemind_ext.errors import (
 )
 from hivemind_ext.p2p.deadlines import check_durations, now, wait_until
 from hivemind_ext.p2p.direct_tls import DirectIdentity, check_pinned, client_context, fingerprint, sni_name
-from hivemind_ext.p2p.direct_transport import DirectStream, open_direct_connection
+from hivemind_ext.p2p.direct_transport import DirectStream, connect_tcp, start_client_session
 from hivemind_ext.p2p.direct_wire import (
     ACCEPTED,
     MAX_TOKENS_PER_TICKET,
@@ -178,25 +179,23 @@ class DirectConnector:
             return state.tokens.popleft()[0]
 
     async def _open(self, state: _PeerTickets, token: bytes, handler: str) -> Connection:
-        try:
-            return await self._open_and_hello(state, token, handler)
+        sock = await connect_tcp(state.host, state.port)  # failing here: the peer is unreachable
+        try:  # past this point the server is reached: a failure is a refusal of this caller (or of the server's cert)
+            return await self._session(sock, state, token, handler)
         except ssl.SSLCertVerificationError as e:
             raise AuthenticationError(f"the direct path's server presented an unpinned certificate: {e}") from None
-        except ssl.SSLError as e:  # in TLS 1.3 the server's verdict on our certificate comes after the handshake
-            raise AuthenticationError(f"the direct path's TLS session failed: {e}") from None
+        except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError) as e:
+            # in TLS 1.3 the server's verdict on our certificate comes after our side of the handshake
+            what = "TLS session" if state.tls is not None else "connection"
+            raise AuthenticationError(f"the server ended the direct {what} before accepting it: {e!r}") from None
 
-    async def _open_and_hello(self, state: _PeerTickets, token: bytes, handler: str) -> Connection:
-        reader, writer = await open_direct_connection(
-            state.host, state.port, tls=state.tls, server_name=sni_name(self.identity.cert_der)
-        )
+    async def _session(self, sock: socket.socket, state: _PeerTickets, token: bytes, handler: str) -> Connection:
+        reader, writer = await start_client_session(sock, tls=state.tls, server_name=sni_name(self.identity.cert_der))
         try:
             if state.tls is not None:
                 check_pinned(writer.get_extra_info("ssl_object"), state.server_fingerprint)
             writer.write(encode_hello(token, handler))
             answer = await reader.readexactly(1)
-        except asyncio.IncompleteReadError:
-            writer.transport.abort()
-            raise AuthenticationError("the server closed the direct connection during the hello") from None
         except BaseException:
             writer.transport.abort()
             raise

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -210,15 +212,41 @@ class DirectStream(asyncio.BufferedProtocol):
             self._waiter.set_result(None)
 
 
-async def open_direct_connection(
-    host: str, port: int, *, tls: ssl.SSLContext | None = None, server_name: str | None = None
-) -> Connection:
-    """Connects to ``host:port`` (over TLS with ``tls``, sending ``server_name`` as SNI); (reader,
-    writer) like ``asyncio.open_connection``. The caller bounds the wait (connect and handshake)."""
+async def open_direct_connection(host: str, port: int) -> Connection:
+    """Connects to ``host:port`` over plain TCP; (reader, writer) like ``asyncio.open_connection``."""
+    return await start_client_session(await connect_tcp(host, port))
+
+
+async def connect_tcp(host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to ``host`` (an IP address literal) and ``port``.
+
+    Separate from :func:`start_client_session` so that a caller can tell a peer it cannot reach
+    from a peer that refuses its TLS handshake. The caller bounds the wait."""
     loop = asyncio.get_running_loop()
-    transport, protocol = await loop.create_connection(
-        DirectStream, host, port, ssl=tls, server_hostname=server_name if tls is not None else None
-    )
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def start_client_session(
+    sock: socket.socket, *, tls: ssl.SSLContext | None = None, server_name: str | None = None
+) -> Connection:
+    """(reader, writer) over a connected socket: TLS with ``tls`` (sending ``server_name`` as SNI),
+    else plain TCP. The caller bounds the wait (the handshake)."""
+    loop = asyncio.get_running_loop()
+    try:
+        transport, protocol = await loop.create_connection(
+            DirectStream, sock=sock, ssl=tls, server_hostname=server_name if tls is not None else None
+        )
+    except BaseException:
+        sock.close()
+        raise
     return protocol, asyncio.StreamWriter(transport, protocol, None, loop)
 
 
