@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from allreduce_swarm import Swarm, check_round, config, group_of, make_tensors, run_round
 from tcp_proxy import TcpProxy
 from test_p2p import async_test
 from test_p2p_direct import ALLOW_PLAINTEXT, MB, PLAINTEXT_DIRECT, pair
@@ -111,6 +112,32 @@ async def test_tampered_ciphertext_fails_that_call_with_a_typed_error_only() -> 
             assert (await peers.whoami(os.urandom(1000))).header["transport"] == "direct"  # short: not altered
     finally:
         await proxy.close()
+
+
+def test_a_tampered_connection_excludes_that_owner_only_and_the_round_completes() -> None:
+    """Every connection to peer 2's direct port is altered in flight: peers 0 and 1 exclude it and
+    keep their own values on its part, and every part holds the exact mean of what arrived."""
+    swarm = Swarm(2, direct=DirectConfig(host="127.0.0.1"))
+    proxy = swarm.run(TcpProxy(flip_at=40_000).start())
+    try:
+        tampered = swarm.run(swarm.new_peer(DirectConfig(host="127.0.0.1", advertise_port=proxy.port)))
+        proxy.target_port = tampered.server.direct_listener.port
+        peers = [*swarm.peers, tampered]
+        inputs = [make_tensors([(64 * 1024,)], seed) for seed in range(3)]
+        group = group_of([p.member() for p in peers])
+        outcomes = swarm.run(run_round(peers, group, inputs, config=config(next_chunk_timeout=5.0)))
+        check_round(peers, inputs, [1.0] * 3, outcomes, honest=[0, 1, 2])
+        assert proxy.flipped >= 1
+        for me in (0, 1):
+            result = outcomes[me].result
+            assert tampered.peer_id in result.excluded
+            averaged = {part.owner: set(part.contributors) for part in result.parts if part.averaged}
+            assert tampered.peer_id not in averaged  # its part could not be averaged: the connection broke
+            assert averaged[peers[0].peer_id] >= {peers[0].peer_id, peers[1].peer_id}
+            assert averaged[peers[1].peer_id] >= {peers[0].peer_id, peers[1].peer_id}
+    finally:
+        swarm.run(proxy.close())
+        swarm.close()
 
 
 @async_test

@@ -56,12 +56,14 @@ class DirectStream(asyncio.BufferedProtocol):
         self._closed = self._loop.create_future()
         self._writing_paused = False
         self._connection_lost = False
+        self._tls = False
         self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     # ----- protocol callbacks (called by the event loop)
 
-    def connection_made(self, transport: Any) -> None:  # a TCP transport (asyncio's or uvloop's)
+    def connection_made(self, transport: Any) -> None:  # a TCP or TLS transport (asyncio's or uvloop's)
         self.transport = transport
+        self._tls = transport.get_extra_info("sslcontext") is not None
         if self._on_connected is not None:
             self._on_connected((self, asyncio.StreamWriter(transport, self, None, self._loop)))
 
@@ -87,7 +89,8 @@ class DirectStream(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wake()
-        return True  # keep the transport open for writing, as asyncio's StreamReaderProtocol does
+        # keep the transport open for writing, as asyncio's StreamReaderProtocol does (TLS cannot half-close)
+        return not self._tls
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._connection_lost = True
