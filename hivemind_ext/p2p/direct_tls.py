@@ -34,11 +34,6 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-
 from hivemind_ext.errors import AuthenticationError, ProtocolError
 
 MAX_CERT_BYTES = 4096  # a P-256 self-signed certificate is about 400 bytes; anything far larger is refused
@@ -58,6 +53,12 @@ class DirectIdentity:
     @classmethod
     def generate(cls) -> DirectIdentity:
         """A fresh ECDSA P-256 key and a self-signed certificate for it (about a millisecond)."""
+        # imported here: ``import hivemind_ext`` loads nothing beyond torch and hivemind (tests/test_startup.py)
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
         key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hivemind_ext direct path")])
         moment = datetime.datetime.now(datetime.timezone.utc)
@@ -101,6 +102,8 @@ def check_certificate(cert_der: object) -> bytes:
     """``cert_der`` if it is a DER certificate of bounded size that OpenSSL can load; else ProtocolError."""
     if not isinstance(cert_der, bytes) or not 0 < len(cert_der) <= MAX_CERT_BYTES:
         raise ProtocolError(f"a direct-path certificate must be 1..{MAX_CERT_BYTES} bytes of DER")
+    from cryptography import x509  # see DirectIdentity.generate
+
     try:
         x509.load_der_x509_certificate(cert_der)
     except ValueError:
