@@ -1,4 +1,4 @@
-"""A TCP stream for the direct data path that receives payloads straight into their final buffer.
+"""A TCP (or TLS) stream for the direct data path that receives payloads straight into their final buffer.
 
 Why: asyncio's StreamReader copies every received byte three times (the event loop's recv into
 a fresh bytes object, that into the reader's buffer, that into the caller's buffer). Over the
@@ -10,7 +10,8 @@ most ``DEFAULT_LIMIT`` bytes (then reading pauses and the data waits in the kern
 so that little of a large payload that arrives before its reader asks for it takes the extra copies
 through the internal buffer: with 1 MiB of read-ahead, about half of every 2 MiB all-reduce chunk
 did (in one A/B run of benchmarks/averaging.py, "none" over direct, the four peer processes used
-4.1 CPU-s with 1 MiB and 3.8 CPU-s with 64 KiB).
+4.1 CPU-s with 1 MiB and 3.8 CPU-s with 64 KiB). Over TLS (the default) the event loop's TLS layer
+decrypts into the same buffers: OpenSSL writes the plaintext into the caller's buffer.
 
 A :class:`DirectStream` is the reader half that :class:`~hivemind_ext.p2p.stream.FramedStream`
 needs (``read``, ``readexactly``, ``readexactly_into``, ``at_eof``, ``exception``); the writer half
