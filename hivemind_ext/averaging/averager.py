@@ -35,6 +35,7 @@ from hivemind_ext.averaging.allreduce.service import (
     AllreduceResult,
     AllreduceService,
 )
+from hivemind_ext.averaging.allreduce.throughput import ThroughputEstimator
 from hivemind_ext.averaging.control import AveragingMode, AveragingStage, StepControl
 from hivemind_ext.averaging.delta import apply_average
 from hivemind_ext.averaging.matchmaking.group import GroupInfo
@@ -80,6 +81,8 @@ class RoundReport:
     bytes_sent: int
     bytes_received: int
     seconds: float
+    part_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # values each owner reduced
+    receive_rate: float | None = None  # bytes/s this peer received at (None: too little data to tell)
     # groupmate -> the path this peer's streams to it took: "direct" (TLS), "direct-plaintext" or
     # "libp2p"; groupmates it opened no stream to (client-mode peers own no part) are not listed
     transports: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -108,7 +111,11 @@ class DecentralizedAverager:
     :param compression: the codec for all-reduce traffic (ours, or a hivemind codec object)
     :param state_compression: the codec for state downloads
     :param tensor_infos: CompressionInfo per tensor (keys and roles for adaptive codecs)
-    :param bandwidth: this peer's relative bandwidth; parts are sized in proportion (None: the group mean)
+    :param bandwidth: this peer's bandwidth in Mbit/s, declared to its groups, whose part sizes
+      minimize the round's predicted time (a slow peer gets a smaller part, or none). ``None`` (the
+      default): the throughput this peer measured in its recent rounds (:attr:`throughput`), or,
+      before its first round large enough to measure, the group's mean. A group where every peer
+      passes it may use any common unit, as in hivemind
     :param auxiliary: help reduce without contributing tensors
     :param allow_state_sharing: serve state to newcomers (default: unless client mode or auxiliary)
     :param client_mode: accept no incoming connections (default: the DHT's mode)
@@ -251,6 +258,8 @@ class DecentralizedAverager:
         self._server: RPCServer | None = None  # this averager's scope of the runtime's RPC server
         self._awaiting_trigger: dict[bytes, StepControl] = {}  # group id -> step waiting for its trigger
         self.last_round: RoundReport | None = None
+        # this peer's measured throughput, declared as its bandwidth unless the user passed one
+        self.throughput = ThroughputEstimator()
         # True: updates made to the tensors while a round runs are kept (tensor += average - start);
         # subclasses whose tensors nobody touches during a round set False to copy the average exactly
         self.keep_concurrent_updates = True
@@ -298,6 +307,13 @@ class DecentralizedAverager:
         self._state_sharing_priority = int(value)
         if self._donor is not None:
             self._donor.set_version(int(value))
+
+    @property
+    def declared_bandwidth(self) -> float | None:
+        """The bandwidth (Mbit/s) this peer declares to its next group: the ``bandwidth`` it was given,
+        else its measured :attr:`throughput` (None before the first measured round: the group's mean)."""
+        given = self.matchmaking_config.bandwidth
+        return given if given is not None else self.throughput.mbit_per_s
 
     @property
     def runtime(self) -> PeerRuntime | None:
@@ -604,6 +620,7 @@ class DecentralizedAverager:
                 scheduled_time=control.scheduled_time,
                 expected_group_size=control.expected_group_size,
                 group_bits=self._group_bits,
+                bandwidth=self.declared_bandwidth,
             )
         self._move_group_bits(group)
         if not control.triggered:
@@ -658,8 +675,11 @@ class DecentralizedAverager:
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
             seconds=get_dht_time() - started,
+            part_sizes={str(part.owner): part.end - part.start for part in result.parts},
+            receive_rate=result.receive_rate,
             **self._transports_since(opened_after),
         )
+        self.throughput.update(result.receive_rate)
         control.report = self.last_round
         if self._runtime is not None:
             round_stats_of(self._runtime).record_allreduce(

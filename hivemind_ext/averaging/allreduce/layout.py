@@ -5,7 +5,8 @@ every member computes the same layout from the same inputs, and tests drive them
 
 The tensors are seen as one flat vector (their flattened values, one tensor after the other).
 :func:`~hivemind_ext.averaging.allreduce.partition.part_sizes` cuts it into one part per member, in member
-order, in proportion to bandwidth (client-mode members get empty parts). Each part is then cut at
+order, sized to minimize the round's predicted time given the members' bandwidths (client-mode
+members get empty parts, and so may slow members). Each part is then cut at
 tensor boundaries and into chunks of at most ``part_size_bytes`` (as hivemind does), by the chunker
 that state sharing uses too (:func:`~hivemind_ext.averaging.tensor_layout.chunk_tensors`), so that
 

@@ -191,6 +191,7 @@ class Matchmaker:
         scheduled_time: float | None = None,
         expected_group_size: int | None = None,
         group_bits: str | None = None,
+        bandwidth: float | None = None,
     ) -> GroupInfo:
         """Wait until this peer is committed to a group, and return it.
 
@@ -200,6 +201,7 @@ class Matchmaker:
             that was sealed ahead of it with every peer that was looking (see :mod:`.timing`) is
             returned at this time, so that its all-reduce starts on schedule.
         :param group_bits: look only among peers with these group bits (default: the config's).
+        :param bandwidth: declare this bandwidth (default: the config's), e.g. a measured one
         :raises MatchmakingError: no group by the deadline (or another search of this matchmaker
             is still running, or the DHT is shut down).
         :raises ConfigurationError: a time that is not a finite number.
@@ -214,6 +216,8 @@ class Matchmaker:
                 self.config = dataclasses.replace(config, expected_group_size=expected_group_size)
             if group_bits is not None and group_bits != config.group_bits:
                 self.config = dataclasses.replace(self.config, group_bits=group_bits)
+            if bandwidth is not None and bandwidth != config.bandwidth:
+                self.config = dataclasses.replace(self.config, bandwidth=bandwidth)
             declaration = self._declaration(deadline, scheduled_time)
             await self._install_signing(declaration.deadline)
             return await self._look(declaration)
