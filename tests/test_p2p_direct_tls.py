@@ -13,10 +13,10 @@ import pytest
 from allreduce_swarm import Swarm, check_round, config, group_of, make_tensors, run_round
 from tcp_proxy import TcpProxy
 from test_p2p import async_test
-from test_p2p_direct import ALLOW_PLAINTEXT, MB, PLAINTEXT_DIRECT, pair
+from test_p2p_direct import ALLOW_PLAINTEXT, LIMITS, MB, NAMESPACE, PLAINTEXT_DIRECT, pair
 
 from hivemind_ext.errors import AuthenticationError, HivemindExtError, ProtocolError
-from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Message
+from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Message, RPCClient
 from hivemind_ext.p2p.direct_address import choose_direct_address
 from hivemind_ext.p2p.direct_client import DirectConnector
 from hivemind_ext.p2p.direct_tls import DirectIdentity, ServerContexts, check_certificate
@@ -49,13 +49,15 @@ async def test_direct_calls_are_encrypted_and_plaintext_shows_on_the_wire() -> N
 
 @async_test
 async def test_plaintext_is_used_only_when_both_sides_opt_in() -> None:
+    """(A TLS server with a caller that allows plaintext: TLS, see the test above.)"""
     async with pair(PLAINTEXT_DIRECT) as peers:  # a default caller refuses a plaintext server
         assert (await peers.whoami()).header["transport"] == "libp2p"
         assert isinstance(peers.client.direct.last_failure(peers.peer), ProtocolError)
-    async with pair(PLAINTEXT_DIRECT, ALLOW_PLAINTEXT) as peers:
-        assert (await peers.whoami()).header["transport"] == "direct-plaintext"
-    async with pair(client_config=ALLOW_PLAINTEXT) as peers:  # allowing plaintext still prefers TLS
-        assert (await peers.whoami()).header["transport"] == "direct"
+        opted_in = RPCClient(
+            peers.client_p2p, NAMESPACE, limits=LIMITS, prefer_direct=True, direct_config=ALLOW_PLAINTEXT
+        )
+        response = await opted_in.call(peers.peer, "whoami", Message({}, b"x"), timeout=10)
+        assert response.header["transport"] == "direct-plaintext"
 
 
 @async_test
