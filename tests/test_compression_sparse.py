@@ -7,6 +7,7 @@ chunk from the codec's docstring, independently of the codec's vectorized code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 
@@ -152,6 +153,30 @@ def test_error_feedback_sends_everything_eventually() -> None:
     assert max(errors[50:]) < 1.5 * max(errors[:50]), "the residual keeps growing"
     assert errors[-1] / float(total.norm()) < 0.1
     assert float((total - sent_without).norm()) / float(total.norm()) > 0.5
+
+
+def test_error_feedback_keeps_residuals_with_their_values_when_parts_move() -> None:
+    """Parts located by offset (as in an all-reduce whose part sizes change every round): each part adds
+    the residual of its own values, whatever part index it has, so the sum of what was sent is the sum of
+    the inputs minus the one residual of the tensor; an owner's averages keep a residual of their own."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 100, generator=generator)
+    info = CompressionInfo.from_tensor(x, key="w")
+    feedback = ErrorFeedback(SparseTopK(density=0.1, bits=2, chunk_size=16))
+    sent = torch.zeros(1000)
+    for rounds in range(1, 41):
+        cuts = sorted(torch.randint(1, 1000, (3,), generator=generator).tolist())
+        for index, (start, end) in enumerate(zip([0, *cuts], [*cuts, 1000], strict=True)):
+            part = x.view(-1)[start:end]
+            sent[start:end] += decompress(feedback.compress(part, info.get_part(index, end - start, start)))
+        torch.testing.assert_close(rounds * x.view(-1) - sent, feedback.tensor_residual("w"), atol=1e-4, rtol=1e-5)
+    assert float((sent / 40 - x.view(-1)).norm() / x.norm()) < 0.1
+    residual = feedback.tensor_residual("w").clone()
+    feedback.compress(x.view(-1)[:500], dataclasses.replace(info.get_part(0, 500, 0), aggregate=True))
+    assert torch.equal(feedback.tensor_residual("w"), residual)
+    assert feedback.tensor_residual("w", aggregate=True)[:500].abs().sum() > 0
+    with pytest.raises(CompressionError):
+        feedback.compress(x.view(-1)[:10], info.get_part(9, 10, 995))  # beyond the tensor
 
 
 # ----- bit packing

@@ -41,6 +41,7 @@ from hivemind_ext.averaging.delta import apply_average
 from hivemind_ext.averaging.matchmaking.group import GroupInfo
 from hivemind_ext.averaging.matchmaking.group_key import check_group_bits, next_group_bits_of
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
+from hivemind_ext.averaging.matchmaking.rotation import initial_digits, next_digits
 from hivemind_ext.averaging.round_stats import round_stats_of
 from hivemind_ext.averaging.scratch import RoundBuffers, ScratchBuffers
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
@@ -100,7 +101,10 @@ class DecentralizedAverager:
     :param target_group_size: a group forms as soon as this many peers are ready
     :param min_group_size: after ``min_matchmaking_time``, a group of at least this many forms
     :param initial_group_bits: a string of '0' and '1': peers only average with peers whose prefix and
-      group bits are the same; the bits move after every round (see :meth:`get_group_bits`)
+      group bits are the same; the bits move after every round (see :meth:`get_group_bits`). Without
+      bits and with a ``target_group_size``, groups rotate on their own (Moshpit averaging, see
+      :mod:`.matchmaking.rotation`): pass the swarm's size to :meth:`step` as ``expected_group_size``
+      and peers also read only their shard's matchmaking board
     :param min_matchmaking_time: how long to wait for a full group (when step() has no scheduled_time)
     :param request_timeout: how long a peer may take to answer during matchmaking
     :param averaging_alpha: step size toward the average (1.0 = replace by the average)
@@ -188,6 +192,7 @@ class DecentralizedAverager:
     ):
         del min_vector_size, daemon  # hivemind internals with no meaning here
         self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
+        self._digits: tuple[int, ...] = ()  # rotation coordinates, set at start (they derive from the peer id)
         tensors = list(averaged_tensors)
         _check_tensors(tensors)
         if client_mode is None:
@@ -370,6 +375,9 @@ class DecentralizedAverager:
         await self._service.start()
         dht_calls = runtime.dht_calls
         self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id, dht_calls=dht_calls)
+        target = self.matchmaking_config.target_group_size
+        if target is not None and target >= 2:  # rotating groups (see .matchmaking.rotation); bits take precedence
+            self._digits = initial_digits(p2p.peer_id.to_base58(), target)
         self._service.admission.is_listed = self._matchmaker.lists  # members' early streams get reserved slots
         with contextlib.suppress(MatchmakingError):  # the first search sets signing up then
             await self._matchmaker.prepare(timeout=max(SIGNING_SETUP_TIMEOUT, self.matchmaking_config.request_timeout))
@@ -456,6 +464,8 @@ class DecentralizedAverager:
         me = self._matchmaker.peer_id.to_base58() if self._matchmaker is not None else str(self.peer_id)
         members, target = [m.peer_id for m in group.members], self.matchmaking_config.target_group_size
         self._group_bits = next_group_bits_of(self._group_bits, group.group_id, members, me, target)
+        if self._digits and target is not None:
+            self._digits = next_digits(self._digits, group.group_id, members.index(me), len(members), target)
 
     # ----- tensors and state
 
@@ -549,7 +559,8 @@ class DecentralizedAverager:
         :param require_trigger: wait for ``control.allow_allreduce()`` before the all-reduce (needs wait=False)
         :param expected_group_size: how many contributing (not auxiliary) peers to expect (without
           ``target_group_size``): the group forms as soon as that many are looking, instead of at
-          ``scheduled_time``
+          ``scheduled_time``. With ``target_group_size``: the swarm's size, which chooses this peer's
+          matchmaking shard (see :mod:`.matchmaking.rotation`)
         :param wait: block until done and return the gathered data; else return a StepControl
         :raises MatchmakingError, AllreduceError: (with wait=True) when the step fails
         """
@@ -620,6 +631,7 @@ class DecentralizedAverager:
                 scheduled_time=control.scheduled_time,
                 expected_group_size=control.expected_group_size,
                 group_bits=self._group_bits,
+                digits=() if self._group_bits else self._digits,
                 bandwidth=self.declared_bandwidth,
             )
         self._move_group_bits(group)

@@ -20,6 +20,10 @@ still sends and receives its whole vector once. Auxiliary members (no tensors of
 t_i = k_i f_i S / B_i) fit the same model. When two members contribute, every split costs them the
 same (each sends exactly one vector), so parts are simply proportional to bandwidth; a lone
 contributor owns everything (nothing needs to cross the network).
+
+Bandwidths that peers measure are noisy (:mod:`.throughput`), and on links that are really equal a
+split that follows the noise only loses, so :func:`part_sizes` keeps the even split unless the
+optimum promises a round at least :data:`MIN_PREDICTED_GAIN` shorter.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hivemind_ext.errors import ConfigurationError
+
+MIN_PREDICTED_GAIN = 0.1  # an uneven split must promise a round this much shorter than the even split
 
 
 @dataclass(frozen=True)
@@ -41,14 +47,14 @@ class MemberRole:
 
 
 def part_sizes(total: int, roles: Sequence[MemberRole]) -> list[int]:
-    """Number of values each member reduces: ``total`` split by :func:`optimal_fractions`.
+    """Number of values each member reduces: ``total`` split by :func:`planned_fractions`.
 
     Largest-remainder rounding makes the sizes sum to ``total`` exactly; ties go to the lower index,
     so the answer is the same on every member.
     """
     if total < 0:
         raise ConfigurationError(f"total must be non-negative, got {total}")
-    exact = [f * total for f in optimal_fractions(roles)]
+    exact = [f * total for f in planned_fractions(roles)]
     sizes = [min(math.floor(x), total) for x in exact]
     remainder = total - sum(sizes)
     if remainder < 0:  # float rounding of fractions that sum to 1 + epsilon: take back from the largest
@@ -59,6 +65,20 @@ def part_sizes(total: int, roles: Sequence[MemberRole]) -> list[int]:
     for i in by_fraction[:remainder]:
         sizes[i] += 1
     return sizes
+
+
+def planned_fractions(roles: Sequence[MemberRole]) -> list[float]:
+    """:func:`optimal_fractions`, unless they promise less than :data:`MIN_PREDICTED_GAIN` over the even
+    split among the members that can own a part (then that even split; with three or more
+    contributors, where the split matters)."""
+    optimal = optimal_fractions(roles)
+    if _contributors(roles) <= 2:  # the split costs nothing there (see the module docstring)
+        return optimal
+    owners = sum(not role.client_mode for role in roles)
+    even = [0.0 if role.client_mode else 1.0 / owners for role in roles]
+    if predicted_time(optimal, roles) < (1 - MIN_PREDICTED_GAIN) * predicted_time(even, roles):
+        return optimal
+    return even
 
 
 def optimal_fractions(roles: Sequence[MemberRole]) -> list[float]:

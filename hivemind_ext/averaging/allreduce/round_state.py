@@ -267,8 +267,9 @@ class RoundContext:
         """What this member can tell others: direct data first, relayed data for the rest."""
         return {**self.relayed, **self.gathered}
 
-    def compression_info(self, chunk: ChunkSpec) -> CompressionInfo:
-        """The chunk's tensor's info (key, role, shape), located as part ``piece`` of that tensor."""
+    def compression_info(self, chunk: ChunkSpec, *, aggregate: bool = False) -> CompressionInfo:
+        """The chunk's tensor's info (key, role, shape), located as part ``piece`` of that tensor at
+        its offset; ``aggregate`` for the owner's average (see CompressionInfo)."""
         if self.tensor_infos is not None:
             base = self.tensor_infos[chunk.tensor]
         elif self.layout is None:
@@ -276,11 +277,12 @@ class RoundContext:
         else:
             spec = self.layout.tensors[chunk.tensor]
             base = CompressionInfo(key=chunk.tensor, shape=spec.shape, dtype=spec.dtype)
-        return base.get_part(chunk.piece, chunk.numel)
+        info = base.get_part(chunk.piece, chunk.numel, chunk.start)
+        return dataclasses.replace(info, aggregate=True) if aggregate else info
 
-    def codec_for(self, chunk: ChunkSpec) -> tuple[Codec, CompressionInfo]:
+    def codec_for(self, chunk: ChunkSpec, *, aggregate: bool = False) -> tuple[Codec, CompressionInfo]:
         """The codec ``chunk`` travels with (see :func:`chunk_codec`) and the chunk's info."""
-        info = self.compression_info(chunk)
+        info = self.compression_info(chunk, aggregate=aggregate)
         return chunk_codec(self.config.compression, info), info
 
     def not_averaged(self, part: PartSpec, reason: str) -> PartOutcome:
