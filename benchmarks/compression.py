@@ -1,12 +1,13 @@
 """Compression throughput and error: hivemind_ext's codecs next to hivemind's, in the same run.
 
-For float32 tensors of normal values, each codec's compress + decompress throughput (GB/s of input)
-and relative error ||x - x'|| / ||x||. On CPU, hivemind's codec of the same name is measured on the
-same tensor in the same loop as ours: after a warm-up call of each, batches of calls of one and of
-the other alternate (so that load from elsewhere on the machine hits both alike) until each has run
-for at least --min-seconds and --min-calls times; the figure is the fastest call (--statistic min,
-the default: load from elsewhere only ever slows a call down) or the median one. Where
-hivemind has no such codec (or it fails, as its 8-bit codecs do under numpy 2), the output says so
+For float32 tensors of normal values, each codec's compress + decompress throughput (GB/s of input),
+relative error ||x - x'|| / ||x|| and compression ratio (input bytes over message bytes, header
+included; hivemind's: over its serialized protobuf message). On CPU, hivemind's codec of the same
+name is measured on the same tensor in the same loop as ours: after a warm-up call of each, batches
+of calls of one and of the other alternate (so that load from elsewhere on the machine hits both
+alike) until each has run for at least --min-seconds and --min-calls times; the figure is the fastest
+call (--statistic min, the default: load from elsewhere only ever slows a call down) or the median
+one. Where hivemind has no such codec (or it fails, as its 8-bit codecs do under numpy 2), the output says so
 and its figures are null.
 
 On CUDA (``--device cuda``), each codec's on-device encode + decode is measured next to a
@@ -58,6 +59,9 @@ CASES = [
     # hivemind has no per-chunk min-max codec; its uniform 8-bit codec is the closest one
     Case("MinMaxUInt8", lambda: ours.MinMaxUInt8(), "Uniform8BitQuantization"),
     Case("MinMaxUInt4", lambda: ours.MinMaxUInt4(), None),
+    # top-2% per chunk of 4096 with 2-bit values, for pseudo-gradients under error feedback: its one-shot
+    # error is large by design (what it drops is sent in later rounds); hivemind has no sparse codec
+    Case("SparseTopK", lambda: ours.SparseTopK(), None),
 ]
 SIZES = {"1M": 2**20, "16M": 2**24, "64M": 2**26}
 
@@ -112,6 +116,13 @@ def ours_round_trip(codec: ours.Codec, x: torch.Tensor) -> Callable[[], torch.Te
     return round_trip
 
 
+def hivemind_ratio(name: str, x: torch.Tensor) -> float:
+    import hivemind.compression as hm
+
+    message = getattr(hm, name)().compress(x, hm.CompressionInfo.from_tensor(x))
+    return x.numel() * x.element_size() / message.ByteSize()
+
+
 def hivemind_round_trip(name: str, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     """hivemind's compress (to its protobuf message) -> extract."""
     import hivemind.compression as hm
@@ -123,12 +134,13 @@ def hivemind_round_trip(name: str, x: torch.Tensor) -> Callable[[], torch.Tensor
 
 def measure(
     case: Case, x: torch.Tensor, min_seconds: float, min_calls: int, statistic: Callable[[list[float]], float]
-) -> tuple[float, float, float | None, float | None, str]:
-    """(our GB/s, our relative error, hivemind's GB/s, hivemind's relative error, note); hivemind's
-    figures are None where it has no counterpart or its codec fails (the note says which)."""
+) -> tuple[list[float | None], list[float | None], str]:
+    """([our GB/s, relative error, ratio], [hivemind's], note); hivemind's figures are None where it has
+    no counterpart or its codec fails (the note says which)."""
     nbytes = x.numel() * x.element_size()
     fns = [ours_round_trip(case.make_ours(), x)]
     errors = [relative_error(x, fns[0]())]
+    ratios: list[float | None] = [nbytes / case.make_ours().compress(x).nbytes, None]
     note = "hivemind has no such codec"
     if case.hivemind_name is not None:
         note = f"vs hivemind {case.hivemind_name}" if case.hivemind_name != case.name else ""
@@ -136,14 +148,17 @@ def measure(
             theirs = hivemind_round_trip(case.hivemind_name, x)
             errors.append(relative_error(x, theirs()))  # the warm-up call; may fail (numpy 2)
             fns.append(theirs)
+            ratios[1] = hivemind_ratio(case.hivemind_name, x)
         except Exception as e:  # report any failure of the reference instead of dying
             first_line = (str(e).splitlines() or [""])[0][:120]
             note = f"hivemind {case.hivemind_name} failed: {type(e).__name__}: {first_line}"
+            del fns[1:], errors[1:]
+            ratios[1] = None
     seconds = interleaved_seconds(fns, min_seconds, min_calls, statistic)
     gbps = [nbytes / t / 1e9 for t in seconds]
     if len(fns) == 1:
-        return gbps[0], errors[0], None, None, note
-    return gbps[0], errors[0], gbps[1], errors[1], note
+        return [gbps[0], errors[0], ratios[0]], [None, None, None], note
+    return [gbps[0], errors[0], ratios[0]], [gbps[1], errors[1], ratios[1]], note
 
 
 def run_cpu(
@@ -154,11 +169,16 @@ def run_cpu(
         numel = SIZES[size]
         x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         for case in cases:
-            gbps, error, hm_gbps, hm_error, note = measure(case, x, min_seconds, min_calls, statistic)
+            (gbps, error, ratio), (hm_gbps, hm_error, hm_ratio), note = measure(
+                case, x, min_seconds, min_calls, statistic
+            )
             label = f"{case.name} {size}"
-            ratio = f"{gbps / hm_gbps:5.2f}x" if hm_gbps else "  n/a"
-            hm_text = f"{hm_gbps:7.3f} GB/s err {hm_error:.2e}" if hm_gbps else f"{'-':>7}"
-            print(f"{label:34s} ours {gbps:7.3f} GB/s err {error:.2e} | hivemind {hm_text} | {ratio} {note}")
+            speed = f"{gbps / hm_gbps:5.2f}x" if hm_gbps else "  n/a"
+            hm_text = f"{hm_gbps:7.3f} GB/s err {hm_error:.2e} ratio {hm_ratio:6.1f}" if hm_gbps else f"{'-':>7}"
+            print(
+                f"{label:34s} ours {gbps:7.3f} GB/s err {error:.2e} ratio {ratio:6.1f} | hivemind {hm_text} | "
+                f"{speed} {note}"
+            )
             results.append(higher_is_better(label, "GB/s", round(gbps, 4), hm_gbps and round(hm_gbps, 4)))
             results.append(
                 lower_is_better(
@@ -167,6 +187,9 @@ def run_cpu(
                     float(f"{error:.4g}"),
                     None if hm_error is None else float(f"{hm_error:.4g}"),
                 )
+            )
+            results.append(
+                higher_is_better(label, "compression_ratio", round(ratio, 2), hm_ratio and round(hm_ratio, 2))
             )
     return results
 

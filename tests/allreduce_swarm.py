@@ -166,14 +166,18 @@ async def run_round(
     inputs: Sequence[Sequence[torch.Tensor]],
     *,
     weights: Sequence[float] | None = None,
-    config: AllreduceConfig,
+    config: AllreduceConfig | Sequence[AllreduceConfig],
     hooks: dict[int, RoundHooks] | None = None,
     delays: dict[int, float] | None = None,
     skip: Sequence[int] = (),
     tasks_out: dict[int, asyncio.Task[Any]] | None = None,
 ) -> list[Outcome | None]:
-    """Runs one round on ``peers`` at once (peer i with ``inputs[i]``); peers in ``skip`` never start."""
+    """Runs one round on ``peers`` at once (peer i with ``inputs[i]``); peers in ``skip`` never start.
+
+    ``config`` is every peer's, or a sequence of one per peer (e.g. each with its own ErrorFeedback codec,
+    whose residuals must not be shared between peers)."""
     weights = weights or [1.0] * len(peers)
+    configs = [config] * len(peers) if isinstance(config, AllreduceConfig) else list(config)
     tasks: dict[int, asyncio.Task[Outcome]] = {}
 
     async def one(index: int) -> Outcome:
@@ -185,7 +189,7 @@ async def run_round(
                 inputs[index],
                 weight=weights[index],
                 gather={"index": index, "name": peers[index].name},
-                config=config,
+                config=configs[index],
                 hooks=(hooks or {}).get(index),
             )
         except BaseException as e:

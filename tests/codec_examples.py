@@ -21,6 +21,7 @@ from hivemind_ext.compression import (
     RoleAdaptiveCompression,
     ScaledFloat16Compression,
     SizeAdaptiveCompression,
+    SparseTopK,
 )
 
 # Codecs that may not exist yet in this tree: (class name, factories given the class). Each factory
@@ -31,6 +32,10 @@ OPTIONAL_CODECS: list[tuple[str, list[Callable[[type[Codec]], Codec]]]] = [
     ("BlockwiseQuantization", [lambda cls: cls(), lambda cls: cls(block_size=5)]),
     ("MinMaxUInt8", [lambda cls: cls(), lambda cls: cls(chunk_size=3)]),
     ("MinMaxUInt4", [lambda cls: cls(), lambda cls: cls(chunk_size=3), lambda cls: cls(chunk_size=4)]),
+    (
+        "SparseTopK",
+        [lambda cls: cls(), lambda cls: cls(density=0.25, bits=3, chunk_size=8), lambda cls: cls(1.0, 8, chunk_size=3)],
+    ),
 ]
 
 
@@ -63,6 +68,7 @@ def wrapper_examples() -> list[Codec]:
         PerTensorCompression({None: Float16Compression(), "weight": ScaledFloat16Compression(chunk_size=3)}),
         ErrorFeedback(ScaledFloat16Compression(chunk_size=3)),
         ErrorFeedback(Float16Compression()),
+        ErrorFeedback(SparseTopK(density=0.2, chunk_size=10)),
     ]
 
 

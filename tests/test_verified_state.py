@@ -9,33 +9,33 @@ built), as a modified client would.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
-import threading
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
 import pytest
 import torch
-from optim_swarm import FAST_TRACKER, signing_key
+from peer_trainers import (
+    LR,
+    Trainer,
+    make_model,
+    make_optimizer,
+    make_trainers,
+    params_of,
+    same_params,
+    shutting_down,
+    train_together,
+)
 from swarm import local_swarm, wait_for
 
-import hivemind_ext
 from hivemind_ext.errors import ConfigurationError, UntrustedStateError
 from hivemind_ext.optim.state_averager import TrainingStateAverager
 from hivemind_ext.optim.state_checks import StateBounds, check_state_values
 from hivemind_ext.optim.state_digests import DigestBoard, majority_digest, state_digest
 
 pytestmark = pytest.mark.slow
-
-TARGET_BATCH_SIZE = 32
-BATCH_SIZE = 4
-LR = 0.01
 
 
 # ----- a hostile donor
@@ -78,96 +78,6 @@ def hostile_donors(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
 # ----- peers
 
 
-def make_model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-
-def make_optimizer(dht: hivemind.DHT, model: torch.nn.Module, run_id: str, **kwargs: Any) -> hivemind_ext.Optimizer:
-    options: dict[str, Any] = dict(
-        dht=dht,
-        run_id=run_id,
-        target_batch_size=TARGET_BATCH_SIZE,
-        batch_size_per_step=BATCH_SIZE,
-        optimizer=lambda params: torch.optim.Adam(params, lr=LR),
-        params=model.parameters(),
-        matchmaking_time=1.0,
-        averaging_timeout=5.0,
-        load_state_timeout=30.0,
-        tracker_opts=dict(FAST_TRACKER, private_key=signing_key(dht)),
-    )
-    options.update(kwargs)
-    return hivemind_ext.Optimizer(**options)
-
-
-def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def same(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], atol: float = 1e-6) -> bool:
-    return all(torch.allclose(a, b, rtol=0, atol=atol) for a, b in zip(first, second, strict=True))
-
-
-@dataclass
-class Trainer:
-    opt: hivemind_ext.Optimizer
-    model: torch.nn.Module
-    seed: int
-    steps: int = 0
-    error: BaseException | None = None
-    history: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-
-    def step_once(self, generator: torch.Generator) -> None:
-        x = torch.randn(BATCH_SIZE, 16, generator=generator)
-        ((self.model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        self.steps += 1
-        self.history.setdefault(self.opt.local_epoch, params_of(self.model))
-
-    def train(self, until_epoch: int, deadline: float) -> None:
-        generator = torch.Generator().manual_seed(self.seed * 1000 + self.steps)
-        try:
-            while self.opt.local_epoch < until_epoch and time.monotonic() < deadline:
-                self.step_once(generator)
-                time.sleep(0.02)
-        except BaseException as e:
-            self.error = e
-            raise
-
-
-def train_together(trainers: Sequence[Trainer], until_epoch: int, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    threads = [threading.Thread(target=t.train, args=(until_epoch, deadline), daemon=True) for t in trainers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(seconds + 10)
-    for trainer in trainers:
-        assert trainer.error is None, f"peer {trainer.seed} failed: {trainer.error!r}"
-        assert trainer.opt.local_epoch >= until_epoch, f"peer {trainer.seed} is at epoch {trainer.opt.local_epoch}"
-
-
-@contextlib.contextmanager
-def optimizers_closed() -> Iterator[list[hivemind_ext.Optimizer]]:
-    optimizers: list[hivemind_ext.Optimizer] = []
-    try:
-        yield optimizers
-    finally:
-        for opt in optimizers:
-            opt.shutdown()
-
-
-def swarm_of(dhts: Sequence[hivemind.DHT], optimizers: list, run_id: str, **kwargs: Any) -> list[Trainer]:
-    """Trainers on ``dhts``, all from the same initial parameters (as synchronous training assumes)."""
-    trainers = []
-    for index, dht in enumerate(dhts):
-        model = make_model(seed=0)
-        optimizers.append(make_optimizer(dht, model, run_id, **kwargs))
-        trainers.append(Trainer(optimizers[-1], model, seed=index))
-    return trainers
-
-
 def join(dht: hivemind.DHT, optimizers: list, run_id: str, swarm_epoch: int, **kwargs: Any) -> Trainer:
     """A newcomer with other initial parameters, once it sees the swarm's epoch."""
     model = make_model(seed=1)
@@ -182,7 +92,9 @@ def join(dht: hivemind.DHT, optimizers: list, run_id: str, swarm_epoch: int, **k
 def assert_honest(trainer: Trainer, reference: Trainer) -> None:
     """``trainer`` holds the honest state of ``reference``: same parameters, learning rate and epoch."""
     assert trainer.opt.local_epoch == reference.opt.local_epoch
-    assert same(params_of(trainer.model), params_of(reference.model)), "the newcomer did not adopt the honest state"
+    assert same_params(params_of(trainer.model), params_of(reference.model)), (
+        "the newcomer did not adopt the honest state"
+    )
     assert all(group["lr"] == pytest.approx(LR) for group in trainer.opt.param_groups)
 
 
@@ -195,8 +107,8 @@ def test_a_joiner_refuses_a_hostile_donors_state_and_never_spreads_it(
     mode: str, hostile_donors: dict[int, str]
 ) -> None:
     run_id = f"hostile_{mode}"
-    with local_swarm(4) as dhts, optimizers_closed() as optimizers:
-        *honest, hostile = swarm_of(dhts[:3], optimizers, run_id)
+    with local_swarm(4) as dhts, shutting_down() as optimizers:
+        *honest, hostile = make_trainers(dhts, optimizers, 3, run_id)
         train_together([*honest, hostile], until_epoch=2)
         hostile_donors[id(hostile.opt.state_averager)] = mode
         swarm_epoch = max(t.opt.local_epoch for t in (*honest, hostile))
@@ -227,8 +139,8 @@ def test_without_agreement_a_nan_donor_is_dropped_and_the_joiner_reaches_the_swa
     dropped, banned and replaced by the others; it is never asked again."""
     run_id = "hostile_nan_fallback"
     options = dict(averager_opts={"require_agreement": False})
-    with local_swarm(4) as dhts, optimizers_closed() as optimizers:
-        *honest, hostile = swarm_of(dhts[:3], optimizers, run_id, **options)
+    with local_swarm(4) as dhts, shutting_down() as optimizers:
+        *honest, hostile = make_trainers(dhts, optimizers, 3, run_id, **options)
         train_together([*honest, hostile], until_epoch=2)
         hostile_donors[id(hostile.opt.state_averager)] = "nan"
         swarm_epoch = max(t.opt.local_epoch for t in (*honest, hostile))
@@ -252,15 +164,15 @@ def test_a_lone_hostile_donor_is_refused_by_the_range_checks_and_not_asked_again
     """A swarm with a single donor: its state is believed only if its values are in range."""
     caplog.set_level(logging.WARNING, logger="hivemind_ext")
     run_id = f"lone_{mode}"
-    with local_swarm(2) as dhts, optimizers_closed() as optimizers:
-        (hostile,) = swarm_of(dhts[:1], optimizers, run_id)
+    with local_swarm(2) as dhts, shutting_down() as optimizers:
+        (hostile,) = make_trainers(dhts, optimizers, 1, run_id)
         train_together([hostile], until_epoch=2)
         hostile_donors[id(hostile.opt.state_averager)] = mode
         newcomer = join(dhts[1], optimizers, run_id, hostile.opt.local_epoch)
         before = params_of(newcomer.model)
         generator = torch.Generator().manual_seed(3)
         newcomer.step_once(generator)
-        assert newcomer.opt.local_epoch == 0 and same(params_of(newcomer.model), before, atol=0)
+        assert newcomer.opt.local_epoch == 0 and same_params(params_of(newcomer.model), before, atol=0)
         for _ in range(15):  # every step still finds the newcomer behind the swarm
             newcomer.step_once(generator)
         assert hostile.opt.state_averager.donor.stats.downloads == 1, "the refused state was downloaded again"
@@ -275,22 +187,24 @@ def test_a_lone_hostile_donor_is_refused_by_the_range_checks_and_not_asked_again
 @pytest.mark.timeout(150)
 def test_a_peer_whose_parameters_silently_diverge_resyncs() -> None:
     run_id = "diverge"
-    with local_swarm(3) as dhts, optimizers_closed() as optimizers:
+    with local_swarm(3) as dhts, shutting_down() as optimizers:
         # no state averaging: nothing but the digest comparison brings a diverged peer back
-        trainers = swarm_of(dhts, optimizers, run_id, average_state_every=1000)
+        trainers = make_trainers(dhts, optimizers, 3, run_id, average_state_every=1000)
         train_together(trainers, until_epoch=2)
         victim = trainers[2]
         with victim.opt.state_lock, torch.no_grad():  # a bit flip, a bad kernel, a half-applied round
             victim.opt.opt.param_groups[0]["params"][0].add_(0.05)
             victim.opt.state_manager.copy_to_model()
         diverged_at = victim.opt.local_epoch
-        assert not same(params_of(victim.model), params_of(trainers[0].model))
+        assert not same_params(params_of(victim.model), params_of(trainers[0].model))
         train_together(trainers, until_epoch=diverged_at + 5, seconds=100)
         # back in line with an honest peer at some later epoch (under load, a round that one peer misses
         # puts that peer out of line for an epoch or two, so not every epoch need match)
         later = sorted(set(victim.history) - set(range(diverged_at + 2)))
         in_line = [
-            e for e in later if any(e in t.history and same(victim.history[e], t.history[e]) for t in trainers[:2])
+            e
+            for e in later
+            if any(e in t.history and same_params(victim.history[e], t.history[e]) for t in trainers[:2])
         ]
         assert in_line, f"the diverged peer never came back in line (epochs {later})"
         assert victim.opt.state_digests is not None and victim.opt.state_digests.divergences >= 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -35,11 +36,13 @@ from hivemind_ext.averaging.allreduce.service import (
     AllreduceResult,
     AllreduceService,
 )
+from hivemind_ext.averaging.allreduce.throughput import ThroughputEstimator
 from hivemind_ext.averaging.control import AveragingMode, AveragingStage, StepControl
 from hivemind_ext.averaging.delta import apply_average
 from hivemind_ext.averaging.matchmaking.group import GroupInfo
 from hivemind_ext.averaging.matchmaking.group_key import check_group_bits, next_group_bits_of
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
+from hivemind_ext.averaging.matchmaking.rotation import initial_digits, next_digits
 from hivemind_ext.averaging.round_stats import round_stats_of
 from hivemind_ext.averaging.scratch import RoundBuffers, ScratchBuffers
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
@@ -78,6 +81,8 @@ class RoundReport:
     bytes_sent: int
     bytes_received: int
     seconds: float
+    part_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # values each owner reduced
+    receive_rate: float | None = None  # bytes/s this peer received at (None: too little data to tell)
 
 
 class DecentralizedAverager:
@@ -90,7 +95,10 @@ class DecentralizedAverager:
     :param target_group_size: a group forms as soon as this many peers are ready
     :param min_group_size: after ``min_matchmaking_time``, a group of at least this many forms
     :param initial_group_bits: a string of '0' and '1': peers only average with peers whose prefix and
-      group bits are the same; the bits move after every round (see :meth:`get_group_bits`)
+      group bits are the same; the bits move after every round (see :meth:`get_group_bits`). Without
+      bits and with a ``target_group_size``, groups rotate on their own (Moshpit averaging, see
+      :mod:`.matchmaking.rotation`): pass the swarm's size to :meth:`step` as ``expected_group_size``
+      and peers also read only their shard's matchmaking board
     :param min_matchmaking_time: how long to wait for a full group (when step() has no scheduled_time)
     :param request_timeout: how long a peer may take to answer during matchmaking
     :param averaging_alpha: step size toward the average (1.0 = replace by the average)
@@ -101,7 +109,11 @@ class DecentralizedAverager:
     :param compression: the codec for all-reduce traffic (ours, or a hivemind codec object)
     :param state_compression: the codec for state downloads
     :param tensor_infos: CompressionInfo per tensor (keys and roles for adaptive codecs)
-    :param bandwidth: this peer's relative bandwidth; parts are sized in proportion (None: the group mean)
+    :param bandwidth: this peer's bandwidth in Mbit/s, declared to its groups, whose part sizes
+      minimize the round's predicted time (a slow peer gets a smaller part, or none). ``None`` (the
+      default): the throughput this peer measured in its recent rounds (:attr:`throughput`), or,
+      before its first round large enough to measure, the group's mean. A group where every peer
+      passes it may use any common unit, as in hivemind
     :param auxiliary: help reduce without contributing tensors
     :param allow_state_sharing: serve state to newcomers (default: unless client mode or auxiliary)
     :param client_mode: accept no incoming connections (default: the DHT's mode)
@@ -165,6 +177,7 @@ class DecentralizedAverager:
     ):
         del min_vector_size, daemon  # hivemind internals with no meaning here
         self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
+        self._digits: tuple[int, ...] = ()  # rotation coordinates, set at start (they derive from the peer id)
         tensors = list(averaged_tensors)
         _check_tensors(tensors)
         if client_mode is None:
@@ -235,6 +248,8 @@ class DecentralizedAverager:
         self._server: RPCServer | None = None  # this averager's scope of the runtime's RPC server
         self._awaiting_trigger: dict[bytes, StepControl] = {}  # group id -> step waiting for its trigger
         self.last_round: RoundReport | None = None
+        # this peer's measured throughput, declared as its bandwidth unless the user passed one
+        self.throughput = ThroughputEstimator()
         # True: updates made to the tensors while a round runs are kept (tensor += average - start);
         # subclasses whose tensors nobody touches during a round set False to copy the average exactly
         self.keep_concurrent_updates = True
@@ -282,6 +297,13 @@ class DecentralizedAverager:
         self._state_sharing_priority = int(value)
         if self._donor is not None:
             self._donor.set_version(int(value))
+
+    @property
+    def declared_bandwidth(self) -> float | None:
+        """The bandwidth (Mbit/s) this peer declares to its next group: the ``bandwidth`` it was given,
+        else its measured :attr:`throughput` (None before the first measured round: the group's mean)."""
+        given = self.matchmaking_config.bandwidth
+        return given if given is not None else self.throughput.mbit_per_s
 
     @property
     def runtime(self) -> PeerRuntime | None:
@@ -335,6 +357,9 @@ class DecentralizedAverager:
         await self._service.start()
         dht_calls = runtime.dht_calls
         self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id, dht_calls=dht_calls)
+        target = self.matchmaking_config.target_group_size
+        if target is not None and target >= 2:  # rotating groups (see .matchmaking.rotation); bits take precedence
+            self._digits = initial_digits(p2p.peer_id.to_base58(), target)
         self._service.admission.is_listed = self._matchmaker.lists  # members' early streams get reserved slots
         with contextlib.suppress(MatchmakingError):  # the first search sets signing up then
             await self._matchmaker.prepare(timeout=max(SIGNING_SETUP_TIMEOUT, self.matchmaking_config.request_timeout))
@@ -414,6 +439,8 @@ class DecentralizedAverager:
         me = self._matchmaker.peer_id.to_base58() if self._matchmaker is not None else str(self.peer_id)
         members, target = [m.peer_id for m in group.members], self.matchmaking_config.target_group_size
         self._group_bits = next_group_bits_of(self._group_bits, group.group_id, members, me, target)
+        if self._digits and target is not None:
+            self._digits = next_digits(self._digits, group.group_id, members.index(me), len(members), target)
 
     # ----- tensors and state
 
@@ -507,7 +534,8 @@ class DecentralizedAverager:
         :param require_trigger: wait for ``control.allow_allreduce()`` before the all-reduce (needs wait=False)
         :param expected_group_size: how many contributing (not auxiliary) peers to expect (without
           ``target_group_size``): the group forms as soon as that many are looking, instead of at
-          ``scheduled_time``
+          ``scheduled_time``. With ``target_group_size``: the swarm's size, which chooses this peer's
+          matchmaking shard (see :mod:`.matchmaking.rotation`)
         :param wait: block until done and return the gathered data; else return a StepControl
         :raises MatchmakingError, AllreduceError: (with wait=True) when the step fails
         """
@@ -578,6 +606,8 @@ class DecentralizedAverager:
                 scheduled_time=control.scheduled_time,
                 expected_group_size=control.expected_group_size,
                 group_bits=self._group_bits,
+                digits=() if self._group_bits else self._digits,
+                bandwidth=self.declared_bandwidth,
             )
         self._move_group_bits(group)
         if not control.triggered:
@@ -632,7 +662,10 @@ class DecentralizedAverager:
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
             seconds=get_dht_time() - started,
+            part_sizes={str(part.owner): part.end - part.start for part in result.parts},
+            receive_rate=result.receive_rate,
         )
+        self.throughput.update(result.receive_rate)
         control.report = self.last_round
         if self._runtime is not None:
             round_stats_of(self._runtime).record_allreduce(

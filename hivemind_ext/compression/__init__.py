@@ -34,6 +34,7 @@ from hivemind_ext.compression.quantization import (
     Uniform8BitQuantization,
 )
 from hivemind_ext.compression.resolve import as_codec
+from hivemind_ext.compression.sparse import SparseTopK
 
 CompressionBase = Codec  # hivemind's name for the base class
 
@@ -57,6 +58,7 @@ __all__ = [
     "RoleAdaptiveCompression",
     "ScaledFloat16Compression",
     "SizeAdaptiveCompression",
+    "SparseTopK",
     "TensorRole",
     "Uniform8BitQuantization",
     "as_codec",

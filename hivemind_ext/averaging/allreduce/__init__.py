@@ -6,7 +6,9 @@ Which file does what:
   ``run_round``), and the round's overview (roles, pipelining, faults);
 - :mod:`.api`: what a round takes and returns (:class:`AllreduceConfig`, :class:`RoundHooks` for
   fault injection, :class:`PartOutcome`, :class:`AllreduceResult`);
-- :mod:`.partition`: who reduces what (part sizes from bandwidths, chunk bounds, member roles);
+- :mod:`.partition`: who reduces what (part sizes that minimize the round's predicted time given the
+  members' bandwidths, chunk bounds, member roles);
+- :mod:`.throughput`: this peer's bandwidth, measured from its rounds (what it declares by default);
 - :mod:`.layout`: where every value of a round goes (parts, chunks, the layout fingerprint);
 - :mod:`.wire`: the messages on one (sender, owner) stream, built and strictly parsed;
 - :mod:`.round_state`: what one member keeps for one round, shared by its two sides;

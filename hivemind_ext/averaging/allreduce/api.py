@@ -167,6 +167,8 @@ class AllreduceResult:
     :param gathered: every member's ``gather`` data that reached this peer, by peer id
     :param bytes_sent / bytes_received: message payload bytes this peer put on / took off the
       network (chunks both ways, gather data; not frame headers)
+    :param receive_rate: bytes/s at which this peer received during the round, what its
+      throughput estimate learns from (see :mod:`.throughput`); None if the round moved too little
     """
 
     tensors: list[torch.Tensor]
@@ -175,6 +177,7 @@ class AllreduceResult:
     gathered: dict[PeerID, Any]
     bytes_sent: int
     bytes_received: int
+    receive_rate: float | None = None
 
     @property
     def contributors(self) -> tuple[tuple[PeerID, ...], ...]:

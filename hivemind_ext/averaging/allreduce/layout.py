@@ -5,13 +5,16 @@ every member computes the same layout from the same inputs, and tests drive them
 
 The tensors are seen as one flat vector (their flattened values, one tensor after the other).
 :func:`~hivemind_ext.averaging.allreduce.partition.part_sizes` cuts it into one part per member, in member
-order, in proportion to bandwidth (client-mode members get empty parts). Each part is then cut at
+order, sized to minimize the round's predicted time given the members' bandwidths (client-mode
+members get empty parts, and so may slow members). Each part is then cut at
 tensor boundaries and into chunks of at most ``part_size_bytes`` (as hivemind does), by the chunker
 that state sharing uses too (:func:`~hivemind_ext.averaging.tensor_layout.chunk_tensors`), so that
 
 - a chunk is a view of one input tensor: it is compressed without a copy, with its own tensor's
   :class:`~hivemind_ext.compression.CompressionInfo` (key, role, shape; ``part_index`` = the chunk's
-  position among its tensor's chunks), so adaptive codecs and error feedback work per tensor;
+  position among its tensor's chunks, ``part_offset`` = where it starts in its tensor), so adaptive
+  codecs and error feedback work per tensor (error feedback by offset: chunk positions move when part
+  sizes change);
 - a chunk of the result is written straight into its output tensor.
 
 Example: tensors of 5 and 3 values, two members with equal bandwidth, 2 values per chunk::

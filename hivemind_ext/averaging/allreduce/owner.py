@@ -181,7 +181,8 @@ class OwnedPart:
         if self._average is None:
             raise AllreduceError("the part was compressed before it was averaged")
         segment = self._average[chunk.offset : chunk.offset + chunk.numel]
-        codec, info = self.context.codec_for(chunk)  # Float16OrMinMax16 where the round's codec is float16
+        # Float16OrMinMax16 where the round's codec is float16; error feedback keeps the average's residual apart
+        codec, info = self.context.codec_for(chunk, aggregate=True)
         # the average is ours and read-only from here: the codec may alias or reuse it
         return codec.compress(segment, info, True)
 

@@ -20,6 +20,7 @@ from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.allreduce.api import AllreduceConfig, PartOutcome, RoundHooks
 from hivemind_ext.averaging.allreduce.layout import PartSpec, RoundLayout
+from hivemind_ext.averaging.allreduce.throughput import ReceiveLog, receive_rate
 from hivemind_ext.averaging.matchmaking.group import Member
 from hivemind_ext.averaging.tensor_layout import ChunkSpec
 from hivemind_ext.compression import (
@@ -168,10 +169,27 @@ class CodecRunner:
             await asyncio.wait([asyncio.wrap_future(job) for job in list(self._jobs)])
 
 
-@dataclasses.dataclass
 class Traffic:
-    sent: int = 0
-    received: int = 0
+    """Payload bytes this member put on / took off the network in one round. Each increment of
+    ``received`` is logged with its time (see :class:`.throughput.ReceiveLog`), from which the
+    round's download rate is read (:meth:`receive_rate`)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.log = ReceiveLog()
+
+    @property
+    def received(self) -> int:
+        return self.log.total
+
+    @received.setter
+    def received(self, value: int) -> None:
+        self.log.add(value - self.log.total)
+
+    def receive_rate(self, started: float) -> float | None:
+        """Bytes/s this member received at, in a round that started at ``started`` (loop time); None
+        if the round moved too little to tell (see :func:`.throughput.receive_rate`)."""
+        return receive_rate(self.log.arrivals, started)
 
 
 @dataclasses.dataclass(eq=False)
@@ -249,8 +267,9 @@ class RoundContext:
         """What this member can tell others: direct data first, relayed data for the rest."""
         return {**self.relayed, **self.gathered}
 
-    def compression_info(self, chunk: ChunkSpec) -> CompressionInfo:
-        """The chunk's tensor's info (key, role, shape), located as part ``piece`` of that tensor."""
+    def compression_info(self, chunk: ChunkSpec, *, aggregate: bool = False) -> CompressionInfo:
+        """The chunk's tensor's info (key, role, shape), located as part ``piece`` of that tensor at
+        its offset; ``aggregate`` for the owner's average (see CompressionInfo)."""
         if self.tensor_infos is not None:
             base = self.tensor_infos[chunk.tensor]
         elif self.layout is None:
@@ -258,11 +277,12 @@ class RoundContext:
         else:
             spec = self.layout.tensors[chunk.tensor]
             base = CompressionInfo(key=chunk.tensor, shape=spec.shape, dtype=spec.dtype)
-        return base.get_part(chunk.piece, chunk.numel)
+        info = base.get_part(chunk.piece, chunk.numel, chunk.start)
+        return dataclasses.replace(info, aggregate=True) if aggregate else info
 
-    def codec_for(self, chunk: ChunkSpec) -> tuple[Codec, CompressionInfo]:
+    def codec_for(self, chunk: ChunkSpec, *, aggregate: bool = False) -> tuple[Codec, CompressionInfo]:
         """The codec ``chunk`` travels with (see :func:`chunk_codec`) and the chunk's info."""
-        info = self.compression_info(chunk)
+        info = self.compression_info(chunk, aggregate=aggregate)
         return chunk_codec(self.config.compression, info), info
 
     def not_averaged(self, part: PartSpec, reason: str) -> PartOutcome:
