@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import threading
 from typing import Any
 
 import hivemind
@@ -218,8 +219,8 @@ def test_a_fake_digest_majority_only_makes_honest_peers_resync_from_honest_donor
     peers resync. That is all they can do: the resync downloads from a donor (the other honest
     peer; the Sybils serve no state), so nobody's parameters leave the honest trajectory."""
     run_id = "fake_digests"
-    with local_swarm(5) as dhts, optimizers_closed() as optimizers:
-        honest = swarm_of(dhts[:2], optimizers, run_id, average_state_every=1000)
+    with local_swarm(5) as dhts, shutting_down() as optimizers:
+        honest = make_trainers(dhts[:2], optimizers, 2, run_id, average_state_every=1000)
         prefix = honest[0].opt.state_averager.prefix
         fake = ({"epoch": -1}, [torch.zeros(1)])
         sybils = [
@@ -251,7 +252,7 @@ def test_a_fake_digest_majority_only_makes_honest_peers_resync_from_honest_donor
         assert downloads >= 1, "the outvoted peers never resynced"
         # still one honest trajectory: the two peers match at some epoch after the resyncs began
         common = sorted(set(honest[0].history) & set(honest[1].history) - {0, 1})
-        assert any(same(honest[0].history[e], honest[1].history[e]) for e in common), common
+        assert any(same_params(honest[0].history[e], honest[1].history[e]) for e in common), common
         for trainer in honest:
             assert all(torch.isfinite(p).all() for p in params_of(trainer.model))
             assert all(group["lr"] == pytest.approx(LR) for group in trainer.opt.param_groups)
