@@ -161,7 +161,7 @@ def make_aggregator(name: str, fixed_tau: float | None) -> Any:
 class OursInProcess:
     """Our owners' ``PartReducer`` on each part, fed chunk by chunk as the network would."""
 
-    CHUNK = 1024
+    CHUNK = 4096  # about one chunk per part: the same values as smaller chunks, fewer calls
 
     def __init__(self, aggregator: Any, bounds: Sequence[tuple[int, int]]) -> None:
         self.aggregator, self.bounds = aggregator, bounds

@@ -63,13 +63,16 @@ def test_one_vote_per_key_and_only_for_the_peer_it_speaks_for() -> None:
         **{peer: _entry(other, later) for peer in ("QmU1", "QmU2", "QmU3")},  # unsigned (the old format)
         signed_subkey("donor", "QmHonestC", b"[owner:c]"): _entry(other, later),  # another record kind
         digest_subkey("QmShort", b"[owner:s]"): _entry(b"\x00" * 31, later),  # not a sha256
+        digest_subkey("QmMap", b"[owner:m]"): _entry({"digest": real}, later),  # not bytes
+        b"digest@QmBad[owner:" + b"k" * 5000 + b"]": _entry(real, later),  # an oversized key marker
         digest_subkey("QmExp", b"[owner:e]"): _entry(other, now - 1),  # expired
     }
     found = parse_digests(ValueWithExpiration(entries, later), book, now)
     assert found["QmHonestA"] == real and found["QmHonestB"] == real
     assert sum(digest == other for digest in found.values()) == 1  # key x: one vote, for a made-up id
     assert majority_digest(found) == real
-    assert book.rejected == 1 + 2 + 3 + 1 + 1 + 1  # A's claim by x, x's other ids, unsigned, donor, short, expired
+    # A's claim by x, x's other ids, unsigned, donor, short, not bytes, oversized, expired
+    assert book.rejected == 1 + 2 + 3 + 1 + 1 + 1 + 1 + 1
 
 
 # ----- the DHT: a hostile writer next to an honest board

@@ -127,16 +127,25 @@ def centered_clip(
     """``iterations`` steps of CenteredClip from ``start`` [d]; ``values`` [n, d], ``weights`` [n].
 
     A contribution whose distance to the centre is not finite (it overflows float32) gets scale 0,
-    and ``torch.where`` keeps its infinite offsets out of the sum (``inf * 0`` would be NaN)."""
+    and ``torch.where`` keeps its infinite offsets out of the sum (``inf * 0`` would be NaN).
+
+    An iteration that clips nobody moves the centre to the weighted mean; if the next one clips
+    nobody either, the mean is the fixed point and the remaining iterations are skipped (a round
+    without outliers costs 2 iterations, not ``iterations``)."""
     fractions = (weights / weights.sum()).to(values.dtype)  # [n]
     center = start.clone()
+    unclipped_before = False
     for _ in range(iterations):
         offsets = values - center  # [n, d]
         norms = torch.linalg.vector_norm(offsets, dim=1)  # [n]
         scales = torch.clamp(tau / torch.clamp(norms, min=torch.finfo(values.dtype).tiny), max=1.0)
         scales = torch.where(torch.isfinite(norms), scales, 0.0)
+        unclipped = bool((scales == 1.0).all())
+        if unclipped and unclipped_before:
+            break
         offsets = torch.where(scales[:, None] > 0, offsets, 0.0)
         center += (fractions * scales) @ offsets
+        unclipped_before = unclipped
     return center
 
 
