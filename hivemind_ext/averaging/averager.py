@@ -109,7 +109,8 @@ class DecentralizedAverager:
       minimize the round's predicted time (a slow peer gets a smaller part, or none). ``None`` (the
       default): the throughput this peer measured in its recent rounds (:attr:`throughput`), or,
       before its first round large enough to measure, the group's mean. A group where every peer
-      passes it may use any common unit, as in hivemind
+      passes it may use any common unit, as in hivemind. Bandwidths within a factor 2 of the
+      group's median count as equal (measurements are that noisy), see ``allreduce/partition.py``
     :param auxiliary: help reduce without contributing tensors
     :param allow_state_sharing: serve state to newcomers (default: unless client mode or auxiliary)
     :param client_mode: accept no incoming connections (default: the DHT's mode)
