@@ -44,7 +44,9 @@ class ErrorFeedback(CodecWrapper):
     tensor and each part uses its own slice of it, so residuals stay with their values when the parts
     are cut differently from one round to the next (an all-reduce's part sizes follow the members'
     bandwidths); the average an all-reduce owner sends back (``info.aggregate``) has a residual of its
-    own. Otherwise residuals are kept per ``(info.key, info.part_index)``.
+    own. Otherwise residuals are kept per ``(info.key, info.part_index)``. Memory, in an all-reduce: one
+    float32 copy of each tensor for this peer's contributions, and one more once it has owned a part
+    (the residual of its averages), allocated on first use.
     Compressing without ``info`` uses the key None: all such tensors share one residual, which suits
     one tensor compressed repeatedly; pass ``CompressionInfo(key=...)`` to keep several apart.
     If the shape, dtype or device of a key's tensor changes, its residual is dropped with a warning.
