@@ -119,7 +119,8 @@ class DecentralizedAverager:
       minimize the round's predicted time (a slow peer gets a smaller part, or none). ``None`` (the
       default): the throughput this peer measured in its recent rounds (:attr:`throughput`), or,
       before its first round large enough to measure, the group's mean. A group where every peer
-      passes it may use any common unit, as in hivemind
+      passes it may use any common unit, as in hivemind. Bandwidths within a factor 2 of the
+      group's median count as equal (measurements are that noisy), see ``allreduce/partition.py``
     :param auxiliary: help reduce without contributing tensors
     :param allow_state_sharing: serve state to newcomers (default: unless client mode or auxiliary)
     :param client_mode: accept no incoming connections (default: the DHT's mode)
@@ -145,7 +146,7 @@ class DecentralizedAverager:
     :param reject_non_finite_state: a downloaded chunk holding NaN or Inf bans its donor (see
       ``StateSharingConfig.reject_non_finite``)
     :param aggregator: how the owner of each part combines the group's contributions: None (the
-      weighted mean), or a robust one: ``CenteredClip(tau=..., iterations=...)``,
+      weighted mean), or a robust one: ``CenteredClip()`` (radius from each part's spread) or ``CenteredClip(tau=...)``,
       ``TrimmedMean(trim=...)`` (from ``hivemind_ext.averaging``); every member of a group should
       use the same. From an Optimizer: ``averager_opts=dict(aggregator=...)``
     :param norm_bound: a contribution whose norm on a part exceeds this many times the median of
