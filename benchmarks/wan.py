@@ -38,7 +38,8 @@ output says which paths each round took.
 Before each case the benchmark waits (at most ``--max-wait`` s) for the 1-minute load average to drop
 below ``--quiet-load``, and records the load beside the case.
 
-    python benchmarks/wan.py                                     # the default cases, ~8 min
+    python benchmarks/wan.py                      # 100:none 100:8bit 20:none hetero:none loopback:direct
+    python benchmarks/wan.py --cases all          # also 100:float16, 20:float16, 20:8bit, nat:none
     python benchmarks/wan.py --cases 100:none hetero:none --rounds 3
     python benchmarks/wan.py --impls ours --cases 20:none 20:float16 20:8bit
 """
@@ -77,8 +78,14 @@ LINKS = {
     "hetero": [Link(20)] + [Link(100)] * (PEERS - 1),
     "nat": [Link(100)] * (PEERS - 1) + [Link(100, behind_nat=True)],
 }
-DEFAULT_CASES = ["100:none", "100:float16", "100:8bit", "20:none", "hetero:none", "nat:none", "loopback:direct"]
 DIRECT_PATH_CASE = "loopback:direct"  # benchmarks/direct_path.py: encrypted vs plaintext direct path
+ALL_CASES = [f"{link}:{codec}" for link in ("100", "20") for codec in CODECS] + [
+    "hetero:none",
+    "nat:none",
+    DIRECT_PATH_CASE,
+]
+# what fits in 10 minutes on a quiet 2-core machine (each case starts 8 peer processes)
+DEFAULT_CASES = ["100:none", "100:8bit", "20:none", "hetero:none", DIRECT_PATH_CASE]
 
 
 def limit_seconds(link: str, numel: int, bytes_per_value: int) -> float:
@@ -176,7 +183,7 @@ def direct_path_results(megabytes: int, load: float) -> list[Result]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="LINK:CODEC, see above")
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="LINK:CODEC (see above), or all")
     parser.add_argument("--impls", nargs="+", default=["hivemind", "ours"], choices=["hivemind", "ours"])
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per case, after a warm-up round")
     parser.add_argument("--numel", type=int, default=2**22, help="float32 values per peer (default 4M = 16 MiB)")
@@ -185,6 +192,8 @@ def main() -> None:
     parser.add_argument("--numpy1-python", default="/tmp/np1/bin/python", help="runs hivemind's 8-bit peers")
     parser.add_argument("--direct-mb", type=int, default=256, help="megabytes per transfer in the loopback case")
     args = parser.parse_args()
+    if args.cases == ["all"]:
+        args.cases = ALL_CASES
     for case in args.cases:
         link, _, codec = case.partition(":")
         if case != DIRECT_PATH_CASE and (link not in LINKS or codec not in CODECS):
