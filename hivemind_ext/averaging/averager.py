@@ -146,7 +146,7 @@ class DecentralizedAverager:
     :param reject_non_finite_state: a downloaded chunk holding NaN or Inf bans its donor (see
       ``StateSharingConfig.reject_non_finite``)
     :param aggregator: how the owner of each part combines the group's contributions: None (the
-      weighted mean), or a robust one: ``CenteredClip(tau=..., iterations=...)``,
+      weighted mean), or a robust one: ``CenteredClip()`` (radius from each part's spread) or ``CenteredClip(tau=...)``,
       ``TrimmedMean(trim=...)`` (from ``hivemind_ext.averaging``); every member of a group should
       use the same. From an Optimizer: ``averager_opts=dict(aggregator=...)``
     :param norm_bound: a contribution whose norm on a part exceeds this many times the median of
