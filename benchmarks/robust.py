@@ -37,7 +37,7 @@ aggregation, and each network run's held-out loss is printed beside the in-proce
 same steps (they match unless a round failed on the network: a failed round makes its peers step
 on their own momentum).
 
-    python benchmarks/robust.py     # defaults: all cases, 3 seeds, 300 steps; ~4-5 min on an idle 2-core box
+    python benchmarks/robust.py     # defaults: all cases, 3 seeds, 300 steps; 8 min of CPU time
     python benchmarks/robust.py --seeds 5 --network-rounds 300 --network-cases clean sign_flip random2   # more
     python benchmarks/robust.py --fixed-tau 0.05          # adds CenteredClip with that fixed radius
 
