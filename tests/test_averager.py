@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from swarm import local_swarm, wait_for
 from hivemind_ext.averaging import AveragingStage, DecentralizedAverager
 from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import ConfigurationError, MatchmakingError
+from hivemind_ext.p2p import DirectConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -119,25 +121,42 @@ def test_a_round_that_leaves_a_peer_out_says_so_in_its_report_and_at_warning(
         shutdown_all(group)
 
 
-def test_direct_data_path_mixed_with_libp2p_peers_reaches_the_mean(swarm: list[hivemind.DHT]) -> None:
+def test_direct_path_is_on_by_default_and_each_pair_reports_its_transport(swarm: list[hivemind.DHT]) -> None:
+    """Peers 0 and 1 use the defaults (encrypted direct path); peer 2 offers an address nobody can
+    reach; peer 3 opts into plaintext, which default peers refuse; peer 4 is in client mode (it
+    dials out, nobody dials it). Every pair that can use the encrypted direct path does, the others
+    fall back to libp2p, and the mean is exact."""
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    unreachable = DirectConfig(host="127.0.0.1", advertise_port=closed_port)
+    per_peer: list[dict[str, Any]] = [{}, {}, dict(direct_data_path=unreachable), dict(direct_plaintext=True), {}]
     prefix = fresh_prefix()
-    options = dict(target_group_size=3, min_matchmaking_time=30.0, request_timeout=1.0, start=True)
+    options = dict(target_group_size=5, min_matchmaking_time=30.0, request_timeout=1.0, start=True)
     group = [
-        DecentralizedAverager(make_tensors(0), swarm[0], prefix=prefix, direct_data_path="127.0.0.1", **options),
-        DecentralizedAverager(make_tensors(1), swarm[1], prefix=prefix, direct_data_path="127.0.0.1", **options),
-        DecentralizedAverager(make_tensors(2), swarm[2], prefix=prefix, **options),  # no direct path: libp2p
+        DecentralizedAverager(make_tensors(i), swarm[i], prefix=prefix, **options, **per_peer[i]) for i in range(5)
     ]
     try:
-        originals = [make_tensors(seed) for seed in range(3)]
+        originals = [make_tensors(seed) for seed in range(5)]
         step_all(group)
         for index, expected in enumerate(zip(*originals, strict=True)):
             for averager in group:
                 with averager.get_tensors() as tensors:
-                    torch.testing.assert_close(tensors[index], sum(expected) / 3, rtol=1e-5, atol=1e-6)
-            assert all(averager.last_round.excluded == {} for averager in group)
-        connector = group[0].rpc_client.direct  # which transport each peer got
-        assert connector is not None and not connector.is_failing(group[1].runtime.p2p.peer_id)
-        assert connector.is_failing(group[2].runtime.p2p.peer_id)  # fell back to libp2p
+                    torch.testing.assert_close(tensors[index], sum(expected) / 5, rtol=1e-5, atol=1e-6)
+        assert all(averager.last_round.excluded == {} for averager in group)
+        names = [str(averager.peer_id) for averager in group]
+        direct = {(0, 1), (1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (4, 0), (4, 1)}  # (caller, owner)
+        for caller, averager in enumerate(group):
+            report = averager.last_round
+            expected = {
+                names[owner]: "direct" if (caller, owner) in direct else "libp2p"
+                for owner in range(4)
+                if owner != caller
+            }
+            assert report.transports == expected, f"peer {caller}"
+            assert set(report.direct_failures) == {p for p, t in expected.items() if t == "libp2p"}
+        assert "PeerUnreachableError" in group[0].last_round.direct_failures[names[2]]
+        assert "plaintext" in group[0].last_round.direct_failures[names[3]]
         with pytest.raises(ConfigurationError):
             DecentralizedAverager(make_tensors(0), swarm[0], prefix="x", direct_data_path="localhost", start=False)
     finally:

@@ -27,6 +27,7 @@ from hivemind_ext.errors import (
     ProtocolError,
 )
 from hivemind_ext.p2p.deadlines import check_durations, now, remaining, wait_until
+from hivemind_ext.p2p.direct_wire import Transport
 from hivemind_ext.p2p.framing import FrameKind, encode_frame_head, parse_open
 from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.stream import FramedStream
@@ -43,7 +44,7 @@ class RPCContext:
     peer_id: PeerID  # the caller, as authenticated by libp2p (not self-declared)
     handler: str  # the handler's name within its namespace
     deadline: float  # on the loop clock (see deadlines.now); the server stops the handler at this time
-    transport: Literal["libp2p", "direct"] = "libp2p"  # "direct": plain TCP, authenticated through libp2p
+    transport: Transport = "libp2p"  # "direct": TLS, "direct-plaintext": plain TCP (both authenticated through libp2p)
 
     def time_left(self) -> float:
         return remaining(self.deadline)
@@ -150,7 +151,7 @@ class RequestStream:
 
 
 async def serve_call(
-    route: Route, peer_id: PeerID, stream: FramedStream, transport: Literal["libp2p", "direct"] = "libp2p"
+    route: Route, peer_id: PeerID, stream: FramedStream, transport: Transport = "libp2p"
 ) -> float | None:
     """Serves one call on a freshly opened stream; reports every failure to the caller, raises only
     CancelledError. Returns the call's deadline if its last response went out, else None (the server

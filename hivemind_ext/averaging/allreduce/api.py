@@ -61,7 +61,7 @@ class AllreduceConfig:
       (GIL hand-offs stall the event loop, buffers cross malloc arenas) than the overlap gains; it
       can pay off on machines with cores to spare and expensive codecs.
     :param aggregator: how each owner combines the contributions to its part: ``None`` or
-      ``WeightedMean()`` (plain averaging, streamed), ``CenteredClip(tau=..., iterations=...)`` or
+      ``WeightedMean()`` (plain averaging, streamed), ``CenteredClip()`` / ``CenteredClip(tau=...)`` or
       ``TrimmedMean(trim=...)`` (robust to hostile contributions; see :mod:`.aggregators`)
     :param norm_bound: a contribution whose norm on a part exceeds this many times the median norm
       of the part's contributions is excluded from it (and reported in the round's result), with
