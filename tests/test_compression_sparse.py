@@ -7,6 +7,7 @@ chunk from the codec's docstring, independently of the codec's vectorized code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 
@@ -152,6 +153,52 @@ def test_error_feedback_sends_everything_eventually() -> None:
     assert max(errors[50:]) < 1.5 * max(errors[:50]), "the residual keeps growing"
     assert errors[-1] / float(total.norm()) < 0.1
     assert float((total - sent_without).norm()) / float(total.norm()) > 0.5
+
+
+def test_error_feedback_keeps_residuals_with_their_values_when_parts_move() -> None:
+    """Parts located by offset (as in an all-reduce whose part sizes change every round): each part adds
+    the residual of its own values, whatever part index it has, so the sum of what was sent is the sum of
+    the inputs minus the one residual of the tensor; an owner's averages keep a residual of their own."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 100, generator=generator)
+    info = CompressionInfo.from_tensor(x, key="w")
+    feedback = ErrorFeedback(SparseTopK(density=0.1, bits=2, chunk_size=16))
+    sent = torch.zeros(1000)
+    for rounds in range(1, 41):
+        cuts = sorted(torch.randint(1, 1000, (3,), generator=generator).tolist())
+        for index, (start, end) in enumerate(zip([0, *cuts], [*cuts, 1000], strict=True)):
+            part = x.view(-1)[start:end]
+            sent[start:end] += decompress(feedback.compress(part, info.get_part(index, end - start, start)))
+        torch.testing.assert_close(rounds * x.view(-1) - sent, feedback.tensor_residual("w"), atol=1e-4, rtol=1e-5)
+    assert float((sent / 40 - x.view(-1)).norm() / x.norm()) < 0.1
+    residual = feedback.tensor_residual("w").clone()
+    feedback.compress(x.view(-1)[:500], dataclasses.replace(info.get_part(0, 500, 0), aggregate=True))
+    assert torch.equal(feedback.tensor_residual("w"), residual)
+    assert feedback.tensor_residual("w", aggregate=True)[:500].abs().sum() > 0
+    with pytest.raises(CompressionError):
+        feedback.compress(x.view(-1)[:10], info.get_part(9, 10, 995))  # beyond the tensor
+
+
+def test_restoring_a_snapshot_after_a_failed_round_counts_nothing_twice() -> None:
+    """DiLoCo's retry after a failed round: the pseudo-gradient of both rounds is sent at once. With the
+    residuals restored to before the failed round, what is sent over all successful rounds tracks the
+    inputs exactly as if the failed round had never happened; without, it overshoots."""
+    generator = torch.Generator().manual_seed(9)
+    steps = [torch.randn(400, generator=generator) for _ in range(3)]
+    info = CompressionInfo(key="w", shape=(400,)).get_part(0, 400, 0)
+    overshoot = {}
+    for restoring in (True, False):
+        feedback = ErrorFeedback(SparseTopK(density=0.05, bits=4, chunk_size=100))
+        sent = decompress(feedback.compress(steps[0], info))  # round 1 succeeds
+        before = feedback.snapshot()
+        feedback.compress(steps[1], info)  # round 2 fails: nothing it sent is applied
+        if restoring:
+            feedback.restore(before)
+        sent += decompress(feedback.compress(steps[1] + steps[2], info))  # round 3 retries with both steps
+        error = sum(steps) - sent - feedback.tensor_residual("w")
+        overshoot[restoring] = float(error.abs().max())
+    assert overshoot[True] < 1e-4
+    assert overshoot[False] > 1.0  # the failed round's step, less what its message kept, counted twice
 
 
 # ----- bit packing

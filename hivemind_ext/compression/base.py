@@ -69,7 +69,11 @@ class CompressionInfo:
     """What a codec may know about a tensor besides its values: its key, full shape, dtype and role.
 
     If a tensor is sliced into parts, ``shape`` and ``dtype`` still describe the whole tensor and
-    ``part_index`` / ``part_size`` locate the part.
+    ``part_index`` / ``part_size`` locate the part; ``part_offset``, where known, is where the part
+    starts in the flattened tensor (the same part index may cover other values in another round, e.g.
+    when an all-reduce's part sizes change: error feedback locates its residuals by offset).
+    ``aggregate`` is True for the average an all-reduce owner sends back, so that error feedback keeps
+    the residual of the average apart from the residual of this peer's own contributions.
     """
 
     key: Key = None
@@ -78,6 +82,8 @@ class CompressionInfo:
     role: TensorRole = TensorRole.UNSPECIFIED
     part_index: int = 0
     part_size: int | None = None
+    part_offset: int | None = None
+    aggregate: bool = False
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, key: Key = None, **kwargs: Any) -> CompressionInfo:
@@ -86,8 +92,8 @@ class CompressionInfo:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def get_part(self, part_index: int, part_size: int | None) -> CompressionInfo:
-        return dataclasses.replace(self, part_index=part_index, part_size=part_size)
+    def get_part(self, part_index: int, part_size: int | None, part_offset: int | None = None) -> CompressionInfo:
+        return dataclasses.replace(self, part_index=part_index, part_size=part_size, part_offset=part_offset)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -23,6 +23,7 @@ from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import CompressionError, ConfigurationError
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+Snapshot = dict[tuple[Hashable, Hashable], tuple[torch.Tensor, torch.dtype]]  # ErrorFeedback.snapshot()
 
 
 @dataclasses.dataclass
@@ -37,8 +38,15 @@ class _Slot:
 class ErrorFeedback(CodecWrapper):
     """Wraps any codec (typically a lossy one) with per-tensor error feedback.
 
-    Residuals are kept per ``(info.key, info.part_index)``, on the tensor's device, in float32 (float64
-    for float64 tensors), so the error of casting float16/bfloat16 tensors is fed back as well.
+    Residuals are kept on the tensor's device, in float32 (float64 for float64 tensors), so the error of
+    casting float16/bfloat16 tensors is fed back as well. Where ``info.part_offset`` says where a part
+    lies in its tensor (as in an all-reduce), each tensor key has one residual of the whole (flattened)
+    tensor and each part uses its own slice of it, so residuals stay with their values when the parts
+    are cut differently from one round to the next (an all-reduce's part sizes follow the members'
+    bandwidths); the average an all-reduce owner sends back (``info.aggregate``) has a residual of its
+    own. Otherwise residuals are kept per ``(info.key, info.part_index)``. Memory, in an all-reduce: one
+    float32 copy of each tensor for this peer's contributions, and one more once it has owned a part
+    (the residual of its averages), allocated on first use.
     Compressing without ``info`` uses the key None: all such tensors share one residual, which suits
     one tensor compressed repeatedly; pass ``CompressionInfo(key=...)`` to keep several apart.
     If the shape, dtype or device of a key's tensor changes, its residual is dropped with a warning.
@@ -60,7 +68,7 @@ class ErrorFeedback(CodecWrapper):
         except ConfigurationError as e:
             raise ConfigurationError(f"ErrorFeedback(codec=...): {e}") from None
         self._lock = threading.Lock()  # guards _slots (the dict, not the residuals)
-        self._slots: dict[tuple[Hashable, int], _Slot] = {}
+        self._slots: dict[tuple[Hashable, Hashable], _Slot] = {}
 
     def check_tensor(self, tensor: Any) -> None:
         self.codec.check_tensor(tensor)
@@ -87,16 +95,8 @@ class ErrorFeedback(CodecWrapper):
 
     def _encode_with_feedback(self, x: torch.Tensor, info: CompressionInfo | None, slot: _Slot) -> CompressedTensor:
         work_dtype = torch.promote_types(x.dtype, torch.float32)
-        residual = slot.residual
-        if residual is not None and (residual.shape != x.shape or residual.device != x.device or slot.dtype != x.dtype):
-            warnings.warn(
-                f"ErrorFeedback: tensor key {info.key if info else None!r} changed from "
-                f"{list(residual.shape)} {slot.dtype} on {residual.device} to {list(x.shape)} {x.dtype} on {x.device}; "
-                f"its residual is dropped",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            residual = None
+        location = _location(info, x)  # (tensor numel, part offset), or None: one residual per part
+        residual = self._usable_residual(x, info, slot, location)  # [x.shape] work_dtype, or None
         corrected = x.to(work_dtype, copy=True) if residual is None else x + residual  # [x.shape], work_dtype
         # the same tensor for float32/float64 inputs; half inputs near their largest value plus a residual
         # must not overflow to Inf when cast back, so finite values are clamped to the dtype's range
@@ -110,10 +110,38 @@ class ErrorFeedback(CodecWrapper):
             new_residual = corrected.sub_(decoded)
         # NaN / Inf at a position (in the input, the decoded value, or an overflowing difference): drop its error
         new_residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        slot.residual, slot.dtype = new_residual, x.dtype
+        if location is None:
+            slot.residual, slot.dtype = new_residual, x.dtype
+        else:
+            numel, offset = location
+            if slot.residual is None:
+                slot.residual, slot.dtype = torch.zeros(numel, dtype=work_dtype, device=x.device), x.dtype
+            slot.residual[offset : offset + x.numel()].copy_(new_residual.view(-1))
         return message
 
-    def _slot(self, key: tuple[Hashable, int]) -> _Slot:
+    @staticmethod
+    def _usable_residual(
+        x: torch.Tensor, info: CompressionInfo | None, slot: _Slot, location: tuple[int, int] | None
+    ) -> torch.Tensor | None:
+        """The residual to add to ``x`` (a view of the tensor's residual where parts are located), or None;
+        a residual of another shape, dtype or device is dropped with a warning."""
+        residual = slot.residual
+        if residual is None:
+            return None
+        expected = (location[0],) if location is not None else x.shape
+        if residual.shape == expected and residual.device == x.device and slot.dtype == x.dtype:
+            return residual if location is None else residual[location[1] : location[1] + x.numel()].view(x.shape)
+        warnings.warn(
+            f"ErrorFeedback: tensor key {info.key if info else None!r} changed from "
+            f"{list(residual.shape)} {slot.dtype} on {residual.device} to {list(expected)} {x.dtype} on {x.device}; "
+            f"its residual is dropped",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        slot.residual = slot.dtype = None
+        return None
+
+    def _slot(self, key: tuple[Hashable, Hashable]) -> _Slot:
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
@@ -122,8 +150,16 @@ class ErrorFeedback(CodecWrapper):
 
     def residual(self, key: Key = None, part_index: int = 0) -> torch.Tensor | None:
         """The current residual of a tensor key (and part), or None if it has none."""
+        return self._residual_of(_slot_key(CompressionInfo(key=key, part_index=part_index)))
+
+    def tensor_residual(self, key: Key, *, aggregate: bool = False) -> torch.Tensor | None:
+        """The residual of a whole tensor whose parts were compressed with ``info.part_offset`` (flattened;
+        ``aggregate``: of the averages this peer sent back as an all-reduce owner), or None."""
+        return self._residual_of(_slot_key(CompressionInfo(key=key, part_offset=0, aggregate=aggregate)))
+
+    def _residual_of(self, slot_key: tuple[Hashable, Hashable]) -> torch.Tensor | None:
         with self._lock:
-            slot = self._slots.get(_slot_key(CompressionInfo(key=key, part_index=part_index)))
+            slot = self._slots.get(slot_key)
         if slot is None:
             return None
         with slot.lock:
@@ -163,16 +199,41 @@ class ErrorFeedback(CodecWrapper):
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return self.codec.estimate_compression_ratio(info)
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickles the codec and a snapshot of the residuals (locks are not picklable, and not shared)."""
+    def snapshot(self) -> Snapshot:
+        """Copies of all residuals, for :meth:`restore`.
+
+        For algorithms that send the same values again after a round failed: DiLoCo retries with
+        ``anchor - params``, which still holds the failed round's pseudo-gradient. Compressing it on top of
+        the residuals that round left behind would count the part of it the failed messages "sent" twice
+        (for a sparse codec, nearly all of it); restoring the snapshot taken before the round avoids that.
+        """
+        return self._residuals(copy=True)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Puts back the residuals of a :meth:`snapshot` (copied); residuals made since are dropped.
+        Call it while no compression with this instance is in flight."""
+        with self._lock:
+            for key in snapshot.keys() - self._slots.keys():
+                self._slots[key] = _Slot()
+            slots = list(self._slots.items())
+        for key, slot in slots:
+            with slot.lock:
+                residual, dtype = snapshot.get(key, (None, None))
+                slot.residual, slot.dtype = (None if residual is None else residual.clone()), dtype
+
+    def _residuals(self, *, copy: bool) -> Snapshot:
         with self._lock:
             slots = list(self._slots.items())
         residuals = {}
         for key, slot in slots:
             with slot.lock:
                 if slot.residual is not None:
-                    residuals[key] = (slot.residual, slot.dtype)
-        return {"codec": self.codec, "residuals": residuals}
+                    residuals[key] = (slot.residual.clone() if copy else slot.residual, slot.dtype)
+        return residuals
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles the codec and a snapshot of the residuals (locks are not picklable, and not shared)."""
+        return {"codec": self.codec, "residuals": self._residuals(copy=False)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.codec = state["codec"]
@@ -182,7 +243,8 @@ class ErrorFeedback(CodecWrapper):
         }
 
 
-def _slot_key(info: CompressionInfo | None) -> tuple[Hashable, int]:
+def _slot_key(info: CompressionInfo | None) -> tuple[Hashable, Hashable]:
+    """(tensor key, which residual of it): a part index, or a whole tensor's (for located parts)."""
     if info is None:
         return (None, 0)
     if not isinstance(info, CompressionInfo):
@@ -191,7 +253,21 @@ def _slot_key(info: CompressionInfo | None) -> tuple[Hashable, int]:
         hash(info.key)
     except TypeError:
         raise CompressionError(f"ErrorFeedback needs hashable tensor keys, got {info.key!r:.100}") from None
-    return (info.key, info.part_index)
+    if info.part_offset is not None:
+        return (info.key, ("tensor", bool(info.aggregate)))
+    return (info.key, ("aggregate", info.part_index) if info.aggregate else info.part_index)
+
+
+def _location(info: CompressionInfo | None, x: torch.Tensor) -> tuple[int, int] | None:
+    """(numel of the whole tensor, offset of x in it) where info locates the part x, else None."""
+    if info is None or info.part_offset is None:
+        return None
+    numel, offset = info.numel(), info.part_offset
+    if type(offset) is not int or not 0 <= offset <= numel - x.numel():
+        raise CompressionError(
+            f"ErrorFeedback: a part of {x.numel()} values at offset {offset!r} does not fit its tensor of {numel}"
+        )
+    return numel, offset
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

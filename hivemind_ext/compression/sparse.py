@@ -121,11 +121,15 @@ class SparseTopK(Codec):
     contribution: a densified result (e.g. float16, 16 bits per value) would be ~50x larger than the
     sparse one and would dominate every member's upload on a thin link. What re-sparsifying drops is
     not lost if the codec is wrapped in ErrorFeedback: the owner keeps the dropped part of the average
-    in its residual for that chunk and adds it to the next round's average of it ("double error
-    feedback", as in DoubleSqueeze), as long as the round layout (group and part sizes) stays the same;
-    when it changes, ErrorFeedback drops residuals whose shape changed, with a warning. The owner's own
-    slice enters its part uncompressed. Every member decodes the same result messages, so all members
-    still end with identical values.
+    in a residual of its own (``CompressionInfo.aggregate``) and adds it to its next average of those
+    values ("double error feedback", as in DoubleSqueeze). Residuals are located by offset in their
+    tensor, so they survive part sizes changing between rounds (parts follow measured bandwidth): a
+    member's unsent values wait for its next slice that covers them, an owner's dropped average for its
+    next part that does. The owner's own slice enters its part uncompressed. Every member decodes the
+    same result messages, so all members still end with identical values. Use it with the weighted
+    mean: robust aggregators compare contributions value by value (TrimmedMean would trim the few
+    nonzero values of each coordinate toward zero) or as vectors (CenteredClip would see the owner's
+    dense slice far from the sparse ones).
 
     Decoding validates everything before use: parameters, payload size, finite ``0 <= lo <= hi`` (and
     ``hi`` within the range of the tensor's dtype), indices inside their chunk and strictly increasing

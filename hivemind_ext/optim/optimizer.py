@@ -225,6 +225,7 @@ class Optimizer(torch.optim.Optimizer):
                 local_epoch=lambda: self.local_epoch,
                 hooks=round_hooks,
                 status_loglevel=self.status_loglevel,
+                in_groups=self.averager_opts.get("target_group_size") is not None,
             )
             self.progress_bar = make_progress_bar(progress, verbose=verbose, tracker=self.tracker, rounds=self.rounds)
             if self._aux is None:

@@ -223,6 +223,10 @@ class RoundDriver:
     :param local_epoch: returns this peer's epoch
     :param hooks: see :class:`RoundHooks`
     :param status_loglevel: the level of the line that says how each round ended (INFO with ``verbose``)
+    :param in_groups: the swarm averages in groups smaller than itself (``target_group_size``, with
+      rotating groups, see ``hivemind_ext.averaging.matchmaking.rotation``): the swarm's epoch moving
+      on then only says that some group finished its round, not that this peer's round happened
+      without it, so the round is neither abandoned nor counted as missed for it
     """
 
     def __init__(
@@ -234,8 +238,10 @@ class RoundDriver:
         local_epoch: Callable[[], int],
         hooks: RoundHooks | None = None,
         status_loglevel: int = logging.DEBUG,
+        in_groups: bool = False,
     ) -> None:
         self.tracker = tracker
+        self.in_groups = in_groups
         self.matchmaking_time, self.averaging_timeout = float(matchmaking_time), float(averaging_timeout)
         self.local_epoch = local_epoch
         self.hooks = hooks if hooks is not None else RoundHooks()
@@ -318,7 +324,7 @@ class RoundDriver:
                 searching=control.stage in SEARCHING,
                 swarm_epoch=self.tracker.global_progress.epoch,
                 local_epoch=self.local_epoch(),
-                watch_swarm=watch_swarm,
+                watch_swarm=watch_swarm and not self.in_groups,
             )
 
         return wait_on_round(control, stop=stop, abandon=abandon)

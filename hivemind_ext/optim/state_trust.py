@@ -4,8 +4,9 @@ checks of a downloaded state), donor agreement (``StateSharingConfig.require_agr
 
 Agreement and digests need peers whose states are bitwise identical: synchronous gradient
 averaging (the default algorithm without ``use_local_updates``, and without ``delay_optimizer_step``
-for the digests, whose background step lands at a different moment on each peer). Peers must then
-start from the same parameters (a seeded initialization, or the state downloaded at the first
+for the digests, whose background step lands at a different moment on each peer), in one group of
+the whole swarm (not in groups of ``target_group_size``, see ``averaging.matchmaking.rotation``).
+Peers must then start from the same parameters (a seeded initialization, or the state downloaded at the first
 step), as hivemind assumes too. Other modes get the range checks only; ``averager_opts=
 {"require_agreement": ...}`` overrides the choice.
 """
@@ -26,7 +27,10 @@ def synchronous_states(optimizer: Optimizer) -> bool:
     config = optimizer.config
     algorithm = optimizer.algorithm
     default_algorithm = algorithm is None or type(algorithm) is GradientAllReduce
-    return default_algorithm and not config.use_local_updates and not config.auxiliary
+    # in groups smaller than the swarm (target_group_size), each group steps on its own average:
+    # peers stay close (rotating groups mix them), not bitwise identical
+    in_groups = optimizer.averager_opts.get("target_group_size") is not None
+    return default_algorithm and not config.use_local_updates and not config.auxiliary and not in_groups
 
 
 def state_trust_options(optimizer: Optimizer, bounds: StateBounds | None, common: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,9 @@ that state sharing uses too (:func:`~hivemind_ext.averaging.tensor_layout.chunk_
 
 - a chunk is a view of one input tensor: it is compressed without a copy, with its own tensor's
   :class:`~hivemind_ext.compression.CompressionInfo` (key, role, shape; ``part_index`` = the chunk's
-  position among its tensor's chunks), so adaptive codecs and error feedback work per tensor;
+  position among its tensor's chunks, ``part_offset`` = where it starts in its tensor), so adaptive
+  codecs and error feedback work per tensor (error feedback by offset: chunk positions move when part
+  sizes change);
 - a chunk of the result is written straight into its output tensor.
 
 Example: tensors of 5 and 3 values, two members with equal bandwidth, 2 values per chunk::

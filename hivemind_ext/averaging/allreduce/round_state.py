@@ -31,7 +31,7 @@ from hivemind_ext.compression import (
     Float16OrMinMax16,
 )
 from hivemind_ext.errors import AllreduceError, ClosedError, ConfigurationError
-from hivemind_ext.p2p import Limits, now
+from hivemind_ext.p2p import Limits
 
 T = TypeVar("T")
 
@@ -235,9 +235,14 @@ class RoundContext:
         """Owners stop waiting for senders then, and average what arrived."""
         return min(self.started + self.config.collect_timeout, self.deadline)
 
-    def chunk_deadline(self) -> float:
-        """Deadline for the next message of a stream that is under way."""
-        return min(now() + self.config.next_chunk_timeout, self.deadline)
+    @property
+    def idle_timeout(self) -> float:
+        """A stream of the round that moves no byte for this long while one is due is cut
+        (``next_chunk_timeout``). A transfer that keeps moving, at whatever rate the link allows,
+        is waited for until the round's deadline: a fixed time per chunk would cut healthy peers on
+        thin links (a 2 MiB chunk takes 2.5 s at 20 Mbit/s shared by three streams, and more
+        when the link is thinner or busier)."""
+        return self.config.next_chunk_timeout
 
     def is_sender(self, index: int) -> bool:
         return not self.members[index].auxiliary
@@ -267,8 +272,9 @@ class RoundContext:
         """What this member can tell others: direct data first, relayed data for the rest."""
         return {**self.relayed, **self.gathered}
 
-    def compression_info(self, chunk: ChunkSpec) -> CompressionInfo:
-        """The chunk's tensor's info (key, role, shape), located as part ``piece`` of that tensor."""
+    def compression_info(self, chunk: ChunkSpec, *, aggregate: bool = False) -> CompressionInfo:
+        """The chunk's tensor's info (key, role, shape), located as part ``piece`` of that tensor at
+        its offset; ``aggregate`` for the owner's average (see CompressionInfo)."""
         if self.tensor_infos is not None:
             base = self.tensor_infos[chunk.tensor]
         elif self.layout is None:
@@ -276,11 +282,12 @@ class RoundContext:
         else:
             spec = self.layout.tensors[chunk.tensor]
             base = CompressionInfo(key=chunk.tensor, shape=spec.shape, dtype=spec.dtype)
-        return base.get_part(chunk.piece, chunk.numel)
+        info = base.get_part(chunk.piece, chunk.numel, chunk.start)
+        return dataclasses.replace(info, aggregate=True) if aggregate else info
 
-    def codec_for(self, chunk: ChunkSpec) -> tuple[Codec, CompressionInfo]:
+    def codec_for(self, chunk: ChunkSpec, *, aggregate: bool = False) -> tuple[Codec, CompressionInfo]:
         """The codec ``chunk`` travels with (see :func:`chunk_codec`) and the chunk's info."""
-        info = self.compression_info(chunk)
+        info = self.compression_info(chunk, aggregate=aggregate)
         return chunk_codec(self.config.compression, info), info
 
     def not_averaged(self, part: PartSpec, reason: str) -> PartOutcome:

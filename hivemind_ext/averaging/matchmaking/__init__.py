@@ -5,10 +5,14 @@ Which file does what:
 
 - :mod:`.group`: the configuration, the records peers publish and the grouping rule, as pure
   functions of what the DHT returned and the clock (tested without a network);
+- :mod:`.group_key`, :mod:`.rotation`: which peers meet at all (hivemind's group bits; rotating
+  groups and sharded boards for large swarms, Moshpit averaging);
 - :mod:`.board`: the records of one prefix as they lie in the DHT, and their strict parsing;
 - :mod:`.protocol`: one peer's side of the protocol as a pure state machine;
 - :mod:`.matchmaker`: :class:`Matchmaker`, the thin I/O around the state machine (DHT reads and
-  writes with deadlines).
+  writes with deadlines);
+- :mod:`.simulation`: many peers running the state machine over a simulated lagging DHT (tests,
+  ``benchmarks/scale.py``).
 
 Modules of this package import each other by full module path, never through this ``__init__``.
 """

@@ -35,7 +35,8 @@ from hivemind_ext.averaging.matchmaking.group import (
     SealedGroup,
     group_id_for,
 )
-from hivemind_ext.errors import ProtocolError
+from hivemind_ext.averaging.matchmaking.rotation import check_digits
+from hivemind_ext.errors import ConfigurationError, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ def declaration_write(declaration: Declaration) -> Write:
     }
     if declaration.fingerprint:
         value["fingerprint"] = declaration.fingerprint
+    if declaration.digits:
+        value["digits"] = list(declaration.digits)
     return Write(_attempt_subkey(member.key), value, declaration.expiration)
 
 
@@ -167,7 +170,11 @@ def _parse_attempt_record(rest: str, value: dict, expiration: float) -> Declarat
     fingerprint = value.get("fingerprint", "")
     if not isinstance(fingerprint, str) or len(fingerprint) > MAX_FINGERPRINT_CHARS:
         raise ProtocolError(f"a declaration's fingerprint must be a string of at most {MAX_FINGERPRINT_CHARS} chars")
-    return Declaration(member, prefix, *times, expiration=expiration, fingerprint=fingerprint)
+    try:  # rotation coordinates (see .rotation): absent for peers that do not rotate
+        digits = check_digits(value.get("digits", []))
+    except ConfigurationError as e:
+        raise ProtocolError(str(e)) from e
+    return Declaration(member, prefix, *times, expiration=expiration, fingerprint=fingerprint, digits=digits)
 
 
 def _parse_sealed(group_id: str, value: dict) -> SealedGroup:

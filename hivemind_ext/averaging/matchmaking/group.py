@@ -10,7 +10,11 @@ The grouping rule (:func:`plan_groups`), applied to the peers that are looking f
 
 - Peers are ranked by seniority (when they started looking, then peer id), so a newcomer never
   changes the groups of the peers that came before it, and peers with slightly different views of
-  the DHT (one saw the newcomer, one did not) still agree on the senior groups.
+  the DHT (one saw the newcomer, one did not) still agree on the senior groups. Peers with rotation
+  coordinates (large swarms, see :mod:`.rotation`) are ranked by those first, so that each group
+  collects peers from different groups of the round before; given the swarm's size, they also
+  wait (until their scheduled time at most) for the shard's expected number of peers before
+  forming full groups.
 - Before anyone's scheduled time, only *full* groups (``target_group_size`` peers) form, at once,
   from the most senior peers; the remainder keeps waiting for more peers. If that remainder would
   be too small to ever form a group (fewer than ``min_group_size``), nobody forms a group yet: more
@@ -39,6 +43,15 @@ from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.matchmaking.group_key import check_group_bits
 from hivemind_ext.averaging.matchmaking.group_key import group_key as make_group_key
+from hivemind_ext.averaging.matchmaking.rotation import (
+    Digits,
+    check_digits,
+    expected_in_shard,
+    in_shard,
+    ranking,
+    shard_key,
+    split_evenly,
+)
 from hivemind_ext.errors import ConfigurationError
 
 PeerKey = tuple[str, str]
@@ -75,7 +88,13 @@ class MatchmakingConfig:
         instead of waiting for the scheduled time. Auxiliary peers do not count, so a peer never waits
         for one (an auxiliary peer may decide not to join) nor forms a group without an expected
         contributor because an auxiliary peer took its place. A hint: a wrong value only delays or
-        hastens the group, the leader's seal keeps members consistent.
+        hastens the group, the leader's seal keeps members consistent. With ``target_group_size`` and
+        ``digits``: the swarm's size, from which the shard and the peers it expects follow (see
+        :mod:`.rotation`).
+    :param digits: this peer's rotation coordinates (see :mod:`.rotation`; empty: no rotation): declared
+        with every attempt, they rank the peers of a board so that groups mix across rounds.
+    :param shard_depth: how many of the last ``digits`` name the shard whose board this peer uses
+        (0: the board of the whole group key; see :func:`.rotation.shard_depth`).
     :param fingerprint: the run's fingerprint digest (see ``hivemind_ext.optim.fingerprint``): this
         peer only groups with peers that declare the same one (or none, as auxiliary peers do), so a
         peer of another model or other settings never joins, nor delays, a group. Empty: no check.
@@ -92,6 +111,8 @@ class MatchmakingConfig:
     bandwidth: float | None = None
     expected_group_size: int | None = None
     group_bits: str = ""
+    digits: Digits = ()
+    shard_depth: int = 0
     fingerprint: str = ""
 
     def __post_init__(self) -> None:
@@ -100,6 +121,7 @@ class MatchmakingConfig:
         if not isinstance(self.fingerprint, str) or len(self.fingerprint) > MAX_FINGERPRINT_CHARS:
             raise ConfigurationError(f"fingerprint must be a string of at most {MAX_FINGERPRINT_CHARS} characters")
         check_group_bits(self.group_bits)
+        self._check_rotation()
         self._check_group_sizes()
         self._check_times()
         if self.client_mode and self.auxiliary:
@@ -109,8 +131,27 @@ class MatchmakingConfig:
 
     @property
     def group_key(self) -> str:
-        """The key peers group under: only declarations made under the same key are ever grouped."""
-        return make_group_key(self.prefix, self.group_bits)
+        """The key peers group under: only declarations made under the same key are ever grouped
+        (the prefix, the group bits if any, and the shard if any)."""
+        return shard_key(make_group_key(self.prefix, self.group_bits), self.digits, self.shard_depth, self._base)
+
+    @property
+    def shard_digits(self) -> Digits:
+        """The digits that name this peer's shard (empty: no shard)."""
+        return self.digits[len(self.digits) - self.shard_depth :] if self.shard_depth else ()
+
+    @property
+    def _base(self) -> int:
+        return self.target_group_size or 0
+
+    def _check_rotation(self) -> None:
+        if not self.digits and not self.shard_depth:
+            return
+        if self.target_group_size is None or self.target_group_size < 2:
+            raise ConfigurationError("rotation coordinates need a target_group_size of at least 2")
+        object.__setattr__(self, "digits", check_digits(self.digits, self.target_group_size))
+        if not _is_int(self.shard_depth) or not 0 <= self.shard_depth <= len(self.digits):
+            raise ConfigurationError(f"shard_depth must be in [0, {len(self.digits)}], got {self.shard_depth!r}")
 
     def _check_group_sizes(self) -> None:
         if self.expected_group_size is not None and (
@@ -173,6 +214,7 @@ class Declaration:
     deadline: float  # it gives up at this time
     expiration: float = -math.inf  # when the DHT forgets the record under this attempt (latest stored)
     fingerprint: str = ""  # the run fingerprint it declared (empty: none, e.g. an auxiliary peer)
+    digits: Digits = ()  # its rotation coordinates (see .rotation; empty: none)
 
 
 @dataclass(frozen=True)
@@ -250,9 +292,10 @@ def is_open(group: SealedGroup, now: float, board: Board) -> bool:
 def looking_peers(now: float, board: Board, config: MatchmakingConfig) -> list[Declaration]:
     """The declarations that may be put into a new group, most senior first.
 
-    Skipped: other group keys, expired records, peers too close to their deadline, and attempts that
-    an open sealed group or a commit already claims. A peer seen with several live attempts (an old
-    one it failed to withdraw) counts once, with the attempt it refreshed last.
+    Skipped: other group keys (and declarations whose coordinates are not of this shard), expired
+    records, peers too close to their deadline, and attempts that an open sealed group or a commit
+    already claims. A peer seen with several live attempts (an old one it failed to withdraw) counts
+    once, with the attempt it refreshed last.
     """
     claimed = {key for group in board.sealed.values() if is_open(group, now, board) for key in group.keys}
     claimed.update(key for commit in board.commits.values() for key in commit.members)
@@ -260,6 +303,7 @@ def looking_peers(now: float, board: Board, config: MatchmakingConfig) -> list[D
     for declaration in board.declarations.values():
         usable = (
             declaration.prefix == config.group_key
+            and in_shard(declaration.digits, config.shard_digits)
             and declaration.expiration > now
             and declaration.deadline >= now + POLLS_BEFORE_DEADLINE * config.poll_interval
             and declaration.member.key not in claimed
@@ -291,11 +335,15 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
         if config.target_group_size is None and expected is not None and contributing >= expected:
             if count >= config.min_group_size:  # every expected contributor is here: one group, now
                 return [tuple(sorted(ranked, key=_member_order))]
+        if config.digits and config.target_group_size is not None and expected is not None:
+            # rotating groups (see .rotation): wait for the shard, so that groups mix
+            if contributing < expected_in_shard(expected, config.target_group_size, config.shard_depth):
+                return []
         groups, rest = divmod(count, target)
         if config.target_group_size is None or 0 < rest < config.min_group_size:
             return []  # no group is full yet, or forming the full ones would strand the rest
         chosen = ranked[: groups * target]
-    split = _split_evenly(chosen, groups)
+    split = split_evenly(chosen, groups)
     return [tuple(sorted(group, key=_member_order)) for group in _balance_roles(split)]
 
 
@@ -311,19 +359,6 @@ def all_auxiliary(members: Iterable[Member]) -> bool:
     peers' steps finish, as in hivemind, instead of waiting out their deadline (or for ever)."""
     members = list(members)
     return bool(members) and all(m.auxiliary for m in members)
-
-
-def _split_evenly(ranked: Sequence[Declaration], groups: int) -> list[list[Declaration]]:
-    """Consecutive runs of the ranking, sizes differing by at most one (larger runs first)."""
-    if groups <= 0:
-        return []
-    base, extra = divmod(len(ranked), groups)
-    runs, start = [], 0
-    for index in range(groups):
-        size = base + (1 if index < extra else 0)
-        runs.append(list(ranked[start : start + size]))
-        start += size
-    return runs
 
 
 def _balance_roles(groups: list[list[Declaration]]) -> list[list[Declaration]]:
@@ -351,8 +386,9 @@ def _swap_into(needy: list[Declaration], groups: list[list[Declaration]]) -> Non
                     return
 
 
-def _seniority(declaration: Declaration) -> tuple[float, str, str]:
-    return (declaration.declared_at, declaration.member.peer_id, declaration.member.attempt)
+def _seniority(declaration: Declaration) -> tuple[Digits, float, str, str]:
+    member = declaration.member
+    return (ranking(declaration.digits), declaration.declared_at, member.peer_id, member.attempt)
 
 
 def _freshness(declaration: Declaration) -> tuple[float, str]:

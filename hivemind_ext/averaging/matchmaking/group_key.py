@@ -16,9 +16,9 @@ different groups of this round. With ``N = M ** d`` peers, groups of ``M`` (a po
 ``d * log2(M)`` group bits laid out as a grid (peer ``i`` starts with the bits of ``i // M``), every
 peer holds the global mean after ``d`` rounds.
 
-Rotating groups without explicit bits (the large-swarm work) are meant to build on the same two
-functions: a group key per shard, and the deal of :func:`next_group_bits` to move peers between
-shards after each round.
+Rotating groups without explicit bits (:mod:`.rotation`, for large swarms) use the same deal
+(:func:`deal_buckets`) with base-``target_group_size`` digits instead of bits, and shards chosen
+from the swarm's size.
 """
 
 from __future__ import annotations

@@ -88,15 +88,20 @@ Failure modes
   before they start matchmaking. Records live under one key read with ``latest=True``, which merges
   the answers of all nodes that hold it, so within one connected DHT no peer misses the board.
 - *Large swarms.* Every poll reads the whole board of the group key (a few hundred bytes per peer
-  and per recent attempt) from the nodes that hold it. Without group bits that is every peer of
-  the prefix: cheap for tens of peers. Group bits (``initial_group_bits``, ``set_group_bits``)
-  split the board into one per key, as hivemind does; choosing them automatically as the swarm
-  grows is not done yet (issue 14).
+  and per recent attempt) from the nodes that hold it. With a ``target_group_size``, peers carry
+  rotation coordinates and, given the swarm's size (``expected_group_size``), read and write only
+  their shard's board, which expects between one and ``target_group_size`` groups; a peer whose
+  shard is too empty at its scheduled time falls back to the coarser shard's board (see
+  :mod:`.rotation`). Group bits (``initial_group_bits``, ``set_group_bits``) split the board the
+  way hivemind does instead.
 - *Hostile writers.* The DHT is open: records are validated and malformed ones skipped. Every
   record is signed by its writer's RSA key and believed only if it speaks for the peer that signed
   it (:mod:`.authenticity`): nobody can overwrite, withdraw or forge another peer's declaration,
   seal or commit. A peer can still declare false roles or bandwidth for itself, and declare under
   peer ids it makes up (a Sybil), which delays groups by up to ``request_timeout`` as a dead peer does.
+  A peer that declares and never acts (never seals as a planned leader, never confirms) is left
+  out of the plans of the peers it stalled for a few request timeouts (:class:`.protocol.Looking`),
+  so refreshing its declaration cannot hold a group back for ever.
 """
 
 from __future__ import annotations
@@ -123,9 +128,11 @@ from hivemind_ext.averaging.matchmaking.protocol import (
     URGENT_POLL_FRACTION,
     Looking,
     State,
+    fall_back,
     step,
     withdrawal,
 )
+from hivemind_ext.averaging.matchmaking.rotation import shard_depth
 from hivemind_ext.errors import (
     ClosedError,
     ConfigurationError,
@@ -191,6 +198,7 @@ class Matchmaker:
         scheduled_time: float | None = None,
         expected_group_size: int | None = None,
         group_bits: str | None = None,
+        digits: tuple[int, ...] | None = None,
         bandwidth: float | None = None,
     ) -> GroupInfo:
         """Wait until this peer is committed to a group, and return it.
@@ -201,6 +209,9 @@ class Matchmaker:
             that was sealed ahead of it with every peer that was looking (see :mod:`.timing`) is
             returned at this time, so that its all-reduce starts on schedule.
         :param group_bits: look only among peers with these group bits (default: the config's).
+        :param digits: this peer's rotation coordinates (see :mod:`.rotation`; default: the config's).
+            With ``target_group_size`` set, ``expected_group_size`` is then the swarm's size, which
+            chooses the shard (:func:`.rotation.shard_depth`).
         :param bandwidth: declare this bandwidth (default: the config's), e.g. a measured one
         :raises MatchmakingError: no group by the deadline (or another search of this matchmaker
             is still running, or the DHT is shut down).
@@ -216,6 +227,8 @@ class Matchmaker:
                 self.config = dataclasses.replace(config, expected_group_size=expected_group_size)
             if group_bits is not None and group_bits != config.group_bits:
                 self.config = dataclasses.replace(self.config, group_bits=group_bits)
+            if digits is not None:
+                self.config = self._rotated(digits, expected_group_size)
             if bandwidth is not None and bandwidth != config.bandwidth:
                 self.config = dataclasses.replace(self.config, bandwidth=bandwidth)
             declaration = self._declaration(deadline, scheduled_time)
@@ -224,6 +237,12 @@ class Matchmaker:
         finally:
             self.config = config
             self._busy = False
+
+    def _rotated(self, digits: tuple[int, ...], swarm_size: int | None) -> MatchmakingConfig:
+        """The configuration with these coordinates and the shard that a swarm of this size calls for."""
+        base = self.config.target_group_size
+        depth = shard_depth(swarm_size, base) if digits and base is not None else 0
+        return dataclasses.replace(self.config, digits=tuple(digits), shard_depth=min(depth, len(digits)))
 
     async def prepare(self, *, timeout: float) -> None:
         """Sets up record signing for the current board key ahead of the first search (the averager
@@ -268,6 +287,7 @@ class Matchmaker:
             ready_at=ready_at,
             deadline=deadline,
             fingerprint=self.config.fingerprint,
+            digits=self.config.digits,
         )
 
     async def _look(self, declaration: Declaration) -> GroupInfo:
@@ -287,6 +307,9 @@ class Matchmaker:
                     if type(result.state) is not type(state):
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
                     state = result.state  # before the writes: if they are cancelled, withdraw from the new state
+                    if result.fall_back:  # my shard is too empty: on to the coarser shard's board
+                        state, board = await self._fall_back(state.declaration), Board()
+                        continue
                     if result.group is not None:
                         if result.writes and not await self.commit(result.writes, result.group, declaration.deadline):
                             # members would never read the commit; withdrawing abandons it
@@ -305,6 +328,15 @@ class Matchmaker:
         except BaseException:
             self._withdraw(state)
             raise
+
+    async def _fall_back(self, declaration: Declaration) -> Looking:
+        """Withdraws ``declaration`` from its shard's board and moves this search to the coarser shard
+        (see :mod:`.rotation`); returns the new state, whose next step declares there."""
+        self.config, state, left = fall_back(declaration, get_dht_time(), self.config)
+        self._store_nowait(left, board_key(declaration.prefix))
+        logger.debug("%s: shard %r too empty, falling back to %r", self.peer_id, declaration.prefix, self._key)
+        await self._install_signing(declaration.deadline)
+        return state
 
     async def commit(self, writes: tuple[Write, ...], group: GroupInfo, deadline: float) -> bool:
         """Stores the leader's commit; True once the store succeeded or the commit is on the board.
@@ -368,11 +400,15 @@ class Matchmaker:
         if not self._dht_calls.is_alive():
             return
         for write in withdrawal(state, get_dht_time(), self.config):
-            try:
-                subkey = self._signed(write.subkey)
-                self._dht_calls.store_nowait(self._key, write.value, write.expiration_time, subkey=subkey)
-            except Exception as e:  # a DHT that is already shut down cannot take the store
-                logger.debug("could not withdraw matchmaking record %s: %r", write.subkey, e)
+            self._store_nowait(write, self._key)
+
+    def _store_nowait(self, write: Write, key: str) -> None:
+        """Best effort, without waiting: the store runs in the DHT process even after we return."""
+        try:
+            subkey = self._signed(write.subkey)
+            self._dht_calls.store_nowait(key, write.value, write.expiration_time, subkey=subkey)
+        except Exception as e:  # a DHT that is already shut down cannot take the store
+            logger.debug("could not store matchmaking record %s: %r", write.subkey, e)
 
 
 async def _store_then_read(

@@ -30,20 +30,37 @@ from hivemind_ext.averaging.matchmaking.group import (
     is_viable,
     looking_peers,
 )
+from hivemind_ext.averaging.matchmaking.rotation import coarser
 from hivemind_ext.averaging.matchmaking.timing import plan_ahead
 
 RECORD_LIFETIME = 3  # in request timeouts: outlives the longest wait on a sealed group (commit_by + 1)
 REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left
+IGNORE_TIMEOUTS = 3  # request timeouts for which a peer that failed this one is left out of its plans
 URGENT_POLL_FRACTION = 0.2  # share of poll_interval to wait between reads while a group is being formed
 
 EAGER_POLLS = 5  # for this many poll intervals after it starts looking, a peer reads at the urgent pace
 
 
+Ignored = tuple[tuple[str, float], ...]  # (peer id, DHT time until which it is left out of plans)
+
+
 @dataclass(frozen=True)
 class Looking:
-    """Declared (or about to be) and waiting for a group."""
+    """Declared (or about to be) and waiting for a group.
+
+    ``waiting_on``: the leader of the group this peer is planned into, and since when; ``ignored``:
+    (peer id, until when) of peers that stayed planned leaders for ``request_timeout`` without
+    sealing, did not confirm a group this peer sealed, or sealed one and never committed it (dead, or
+    a hostile peer that declares and never acts), left out of this peer's plans for
+    ``IGNORE_TIMEOUTS`` request timeouts. Without it, a peer that keeps refreshing a declaration
+    could hold a group back for ever (a Sybil that declares on every shard's board, for instance);
+    with it, such a peer costs each group it is planned into one ``request_timeout`` at most once per
+    ``IGNORE_TIMEOUTS``, and an honest peer that lagged is planned with again afterwards.
+    """
 
     declaration: Declaration
+    waiting_on: tuple[str, float] | None = None
+    ignored: Ignored = ()
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,7 @@ class Leading:
 
     declaration: Declaration
     group: SealedGroup
+    ignored: Ignored = ()  # carried over from Looking: see there
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,7 @@ class Following:
 
     declaration: Declaration
     group: SealedGroup
+    ignored: Ignored = ()
 
 
 State = Looking | Leading | Following
@@ -70,19 +89,21 @@ class Step:
     """What one step decided: the next state, records to store first (in this order), the group once
     it is final, and whether the board is about to change (a group is being formed with this peer),
     so that the next read should come sooner than ``poll_interval``. A final group's all-reduce
-    starts no earlier than ``start_at`` (a group sealed ahead of its scheduled time)."""
+    starts no earlier than ``start_at`` (a group sealed ahead of its scheduled time). ``fall_back``:
+    this peer's shard is too empty, it should look on the coarser shard's board (:func:`fall_back`)."""
 
     state: State
     writes: tuple[Write, ...] = ()
     group: GroupInfo | None = None
     urgent: bool = False
     start_at: float = -math.inf
+    fall_back: bool = False
 
 
 def step(state: State, now: float, board: Board, config: MatchmakingConfig) -> Step:
     """Advance one peer's matchmaking by one read of the DHT."""
     if isinstance(state, Looking):
-        return _step_looking(state.declaration, now, board, config)
+        return _step_looking(state, now, board, config)
     if isinstance(state, Leading):
         return _step_leading(state, now, board, config)
     return _step_following(state, now, board, config)
@@ -100,33 +121,69 @@ def withdrawal(state: State, now: float, config: MatchmakingConfig) -> tuple[Wri
     return (left,)
 
 
+def fall_back(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[MatchmakingConfig, Looking, Write]:
+    """A looking peer moves to the coarser shard (see :mod:`.rotation`): the configuration to use from
+    now on, its new state (a fresh attempt that keeps its seniority and times, declared by its next
+    step), and the marker that withdraws the old attempt, to store on the old shard's board."""
+    _, left = _mark(me, None, now, config)
+    coarse = replace(config, shard_depth=coarser(config.shard_depth))
+    member = replace(me.member, attempt=next_attempt(me.member.attempt))
+    return coarse, Looking(replace(me, member=member, prefix=coarse.group_key, expiration=-math.inf)), left
+
+
 def next_attempt(attempt: str) -> str:
     """The token of a peer's next attempt: derived, so the state machine needs no randomness, and
     unguessable to others as long as the first token was random."""
     return hashlib.sha256(attempt.encode()).hexdigest()[:16]
 
 
-def _step_looking(me: Declaration, now: float, board: Board, config: MatchmakingConfig) -> Step:
+def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingConfig) -> Step:
+    me = state.declaration
     # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
     offers = [g for g in board.sealed.values() if me.member.key in g.keys and is_open(g, now, board)]
     if offers:
         group = min(offers, key=lambda g: g.group_id)  # any fixed tie-break; the other leaders see me leave
         joined, confirm = _mark(me, group.group_id, now, config)
-        return Step(Following(joined, group), (confirm,), urgent=True)
+        return Step(Following(joined, group, state.ignored), (confirm,), urgent=True)
     me, refresh = _refresh(me, now, config)
-    overlay = {**board.declarations, me.member.key: me}  # my own declaration, even before the DHT shows it
+    ignored = {peer for peer, until in state.ignored if until > now}
+    overlay = {key: d for key, d in board.declarations.items() if d.member.peer_id not in ignored}
+    overlay[me.member.key] = me  # my own declaration, even before the DHT shows it
     peers = looking_peers(now, replace(board, declarations=overlay), config)
     planned = plan_ahead(now, peers, config)
     mine, start_at = next(((group, start) for group, start in planned if me in group), (None, now))
+    if mine is None and config.shard_depth > 0 and now >= me.ready_at:
+        return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no group here in time
     if mine is None or mine[0].member != me.member:
         # In a planned group: its leader seals soon. Just started looking: peers that start at the same
         # moment (as in synchronous training) are declaring right now. Either way, read again soon.
         eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
-        return Step(Looking(me), refresh, urgent=mine is not None or eager)
+        return Step(_waiting(state, me, mine, now, config), refresh, urgent=mine is not None or eager)
     sealed = _seal(mine, now, config, start_at)
     joined, confirm = _mark(me, sealed.group_id, now, config)
     writes = (sealed_write(sealed, _record_expiration(now, config)), confirm)
-    return Step(Leading(joined, sealed), writes, urgent=True)
+    return Step(Leading(joined, sealed, state.ignored), writes, urgent=True)
+
+
+def _waiting(
+    state: Looking, me: Declaration, mine: tuple[Declaration, ...] | None, now: float, config: MatchmakingConfig
+) -> Looking:
+    """The next looking state of a peer that does not lead ``mine`` (its planned group, if any)."""
+    if mine is None:
+        return Looking(me, None, state.ignored)
+    leader = mine[0].member.peer_id
+    if state.waiting_on is None or state.waiting_on[0] != leader:
+        return Looking(me, (leader, now), state.ignored)
+    if now - state.waiting_on[1] > config.request_timeout:  # it should have sealed long ago
+        return Looking(me, None, _ignore(state.ignored, {leader}, now, config))
+    return Looking(me, state.waiting_on, state.ignored)
+
+
+def _ignore(ignored: Ignored, peers: set[str], now: float, config: MatchmakingConfig) -> Ignored:
+    """``ignored`` without what has expired, plus ``peers`` for the next ``IGNORE_TIMEOUTS``."""
+    until = now + IGNORE_TIMEOUTS * config.request_timeout
+    kept = tuple((peer, end) for peer, end in ignored if end > now and peer not in peers)
+    return kept + tuple((peer, until) for peer in sorted(peers))
 
 
 def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingConfig) -> Step:
@@ -144,7 +201,9 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         members = ()
     commit = commit_write(Commit(group.group_id, tuple(m.key for m in members)), _record_expiration(now, config))
     if not members:
-        return _retry(state.declaration, now, config, (commit,))
+        # whoever did not confirm is left out of my next plans (an honest one went to another group)
+        silent = {m.peer_id for m in others if m.key not in confirmed}
+        return _retry(state.declaration, now, config, (commit,), _ignore(state.ignored, silent, now, config))
     return Step(state, (commit,), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
 
 
@@ -156,10 +215,10 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
         if me.member.key in keys:
             members = tuple(m for m in group.members if m.key in keys)
             return Step(state, (), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
-        return _retry(me, now, config, ())
+        return _retry(me, now, config, (), state.ignored)
     if now > group.commit_by + config.request_timeout:  # the leader is gone: leave, so a late commit skips me
         _, left = _mark(me, None, now, config)
-        return _retry(me, now, config, (left,))
+        return _retry(me, now, config, (left,), _ignore(state.ignored, {group.leader.peer_id}, now, config))
     return Step(state, urgent=True)
 
 
@@ -170,11 +229,13 @@ def _seal(group: tuple[Declaration, ...], now: float, config: MatchmakingConfig,
     return SealedGroup(group_id_for(members), members, commit_by, start_at if start_at > now else -math.inf)
 
 
-def _retry(me: Declaration, now: float, config: MatchmakingConfig, writes: tuple[Write, ...]) -> Step:
-    """Look again under a new attempt, keeping seniority and times."""
+def _retry(
+    me: Declaration, now: float, config: MatchmakingConfig, writes: tuple[Write, ...], ignored: Ignored
+) -> Step:
+    """Look again under a new attempt, keeping seniority, times and whom to leave out of plans."""
     fresh = replace(me, member=replace(me.member, attempt=next_attempt(me.member.attempt)), expiration=-math.inf)
     fresh, declare = _refresh(fresh, now, config)
-    return Step(Looking(fresh), writes + declare)
+    return Step(Looking(fresh, None, ignored), writes + declare)
 
 
 def _refresh(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[Declaration, tuple[Write, ...]]:

@@ -271,7 +271,8 @@ class SyncGradientsImpl(AlgorithmImpl):
             else control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP),
             swarm_epoch=self.context.tracker.global_progress.epoch,
             local_epoch=self.context.local_epoch,
-            rounds_overlap_epochs=self.context.config.delay_grad_averaging,
+            # in groups, another group finishing first says nothing about this peer's round
+            rounds_overlap_epochs=self.context.config.delay_grad_averaging or self.context.rounds.in_groups,
         )
 
     def _skip_round(self, control: StepControl | None) -> None:

@@ -1,0 +1,70 @@
+"""The Optimizer in a swarm larger than its groups: 8 peers (threads of one process, each with its own
+DHT and daemon, see optim_swarm) averaging in rotating groups of 4 (``averager_opts``)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from optim_swarm import FAST_TRACKER, quiet_hivemind, run_swarm
+from swarm import local_swarm
+
+PEERS, GROUP = 8, 4
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5)
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    with quiet_hivemind(), local_swarm(PEERS) as swarm:
+        yield swarm
+
+
+def relative_spread(params: list[torch.Tensor]) -> float:
+    """The largest distance of a peer's parameters from the peers' mean, relative to the mean's size."""
+    mean = torch.stack(params).mean(0)
+    return max(float((p - mean).abs().max()) for p in params) / float(mean.abs().max())
+
+
+def mean_loss(run, epochs) -> float:
+    losses = [s.loss for log in run.logs for s in log.steps if s.epoch_before in epochs]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.timeout(150)
+def test_eight_peers_average_gradients_in_rotating_groups_of_four(dhts) -> None:
+    # Before RoundDriver(in_groups=...), the first group to finish moved the swarm's epoch on and the
+    # peers still matchmaking abandoned their round ("the swarm finished this epoch's round without
+    # this peer") and stepped alone. (Local updates and DiLoCo in groups: see benchmarks/scale.py.)
+    mode, target_epoch = "sync_gradients", 4
+    run = run_swarm(
+        dhts,
+        run_id=f"large_swarm_{mode}",
+        target_epoch=target_epoch,
+        optimizer_kwargs=dict(
+            matchmaking_time=2.0,
+            averaging_timeout=15.0,
+            tracker_opts=dict(FAST_TRACKER),
+            shutdown_timeout=2.0,
+            averager_opts=dict(target_group_size=GROUP),
+            target_batch_size=128,
+            optimizer=SGD,
+        ),
+        sleep=0.05,
+        max_seconds=90.0,
+    )
+    errors = [f"peer {log.index}: {log.error!r}" for log in run.logs if log.error is not None]
+    assert not errors, errors
+    assert all(opt.local_epoch >= target_epoch for opt in run.optimizers), [o.local_epoch for o in run.optimizers]
+    assert not run.warnings, run.warnings
+    rounds = [r.report for log in run.logs for r in log.epochs.values() if r.report is not None]
+    assert rounds and all(2 <= report.group_size <= GROUP for report in rounds), [r.group_size for r in rounds]
+    # the groups rotate: over the epochs, most peers averaged with more peers than one group holds
+    met = [set().union(*(r.samples_per_peer for r in log.epochs.values())) for log in run.logs]
+    assert sum(len(peers) > GROUP for peers in met) >= PEERS // 2, [len(peers) for peers in met]
+    first, last = mean_loss(run, {0}), mean_loss(run, {target_epoch - 1})
+    assert last < 0.7 * first, f"loss {first:.4f} -> {last:.4f}"
+    spread = relative_spread([run.final_params(i) for i in range(PEERS)])
+    moved = relative_spread([run.final_params(0), run.initial_params[0]])
+    print(f"{mode}: {run.seconds:.1f} s, loss {first:.3f} -> {last:.3f}, spread {spread:.4f} (moved {moved:.3f})")
+    assert spread < 0.25 * moved, "peers' parameters drifted apart"
