@@ -309,8 +309,6 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
             self.solo_rounds += 1
             self.history.append((f, round_index, "solo", weight, 1, 0))
             return
-        fragment.bucket.pack()
-        fragment.check.flat.fill_(float(round_index))
         if fragment.averager is None:
             fragment.averager = bucket_averager(
                 self.context,
@@ -318,6 +316,9 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
                 [fragment.bucket, fragment.check],
                 [self.algorithm.codec, None],
             )
+        with fragment.averager.get_tensors():
+            fragment.bucket.pack()
+            fragment.check.flat.fill_(float(round_index))
         # the group waits for peers that lag by up to one round's window (e.g. a late joiner, which lags
         # by its download): they reach this round's step that much later, and would otherwise meet the
         # others only at their next round, at another round index
