@@ -15,10 +15,11 @@ from tcp_proxy import TcpProxy
 from test_p2p import async_test
 from test_p2p_direct import ALLOW_PLAINTEXT, LIMITS, MB, NAMESPACE, PLAINTEXT_DIRECT, pair
 
-from hivemind_ext.errors import AuthenticationError, HivemindExtError, ProtocolError
+from hivemind_ext.errors import AuthenticationError, ConfigurationError, HivemindExtError, ProtocolError
 from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Message, RPCClient
 from hivemind_ext.p2p.direct_address import choose_direct_address
 from hivemind_ext.p2p.direct_client import DirectConnector
+from hivemind_ext.p2p.direct_settings import DirectSettings
 from hivemind_ext.p2p.direct_tls import DirectIdentity, ServerContexts, check_certificate
 from hivemind_ext.p2p.direct_transport import start_direct_server
 from hivemind_ext.p2p.direct_wire import TICKET_HANDLER, parse_ticket_response, ticket_request, ticket_response
@@ -178,3 +179,20 @@ def _in(seconds: float) -> float:
     import asyncio
 
     return asyncio.get_running_loop().time() + seconds
+
+
+def test_the_averager_keywords_become_direct_path_settings() -> None:
+    auto = DirectSettings.of(True)
+    assert auto.enabled and auto.server is None and not auto.client_config.allow_plaintext
+    assert DirectSettings.of("0.0.0.0") == auto  # every interface: the offered address is chosen at start
+    fixed = DirectSettings.of("127.0.0.1")  # the keyword's value before the direct path was on by default
+    assert fixed.server == DirectConfig(host="127.0.0.1")
+    plain = DirectSettings.of("127.0.0.1", plaintext=True)
+    assert plain.server.plaintext and plain.client_config.allow_plaintext
+    given = DirectConfig(host="127.0.0.1", port=47000, advertise_port=47001)
+    assert DirectSettings.of(given).server == given
+    assert DirectSettings.for_second_listener(given) == DirectConfig(host="127.0.0.1")
+    assert not DirectSettings.of(False).enabled and not DirectSettings.of(None).enabled
+    for bad in (dict(direct_data_path="localhost"), dict(direct_data_path=5), dict(direct_data_path=True, plaintext=1)):
+        with pytest.raises(ConfigurationError):
+            DirectSettings.of(**bad)

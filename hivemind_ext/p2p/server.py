@@ -301,13 +301,14 @@ class RPCServer:
             raise ClosedError("the direct data path is not enabled")
         try:
             count, cert = parse_ticket_request(request.header)
-            if listener.tls is not None and cert is None:
-                raise ProtocolError("this server's direct path is TLS: the ticket request needs a certificate")
-            if listener.tls is not None and cert is not None:
+            pinned = None  # the fingerprint the tokens are bound to (none for a plaintext server)
+            if listener.tls is not None:
+                if cert is None:
+                    raise ProtocolError("this server's direct path is TLS: the ticket request needs a certificate")
                 listener.tls.expect(cert)
+                pinned = fingerprint(cert)
         except ProtocolError as e:  # answered, not raised: a handler failure is logged as a warning
             return Message({"error": str(e)})
-        pinned = fingerprint(cert) if listener.tls is not None and cert is not None else None
         tokens = tickets.issue(context.peer_id, count, now(), pinned)
         own_cert = listener.tls.identity.cert_der if listener.tls is not None else None
         return Message(ticket_response(*listener.advertised, tickets.config.token_ttl, tokens, own_cert))
