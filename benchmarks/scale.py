@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import random
 import statistics
 import sys
@@ -43,8 +44,9 @@ STEP_TIMEOUT = 90.0
 # ----- 1. real peers
 
 
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of a process and all its descendants (from /proc; 0 where unavailable)."""
+def tree_memory_bytes(pid: int) -> int:
+    """Proportional set size (shared pages split among their users: forked peers share the parent's
+    imports) of a process and all its descendants (DHT process, daemons), from /proc; 0 where unavailable."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -59,8 +61,8 @@ def tree_rss_bytes(pid: int) -> int:
         current = todo.pop()
         todo.extend(children.get(current, []))
         try:
-            with open(f"/proc/{current}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            with open(f"/proc/{current}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
         except (OSError, StopIteration):
             pass
     return total
@@ -93,7 +95,13 @@ def peer_main(
     torch.set_num_threads(1)
     dht = averager = None
     try:
-        dht = hivemind.DHT(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        for attempt in range(3):  # on a loaded machine the bootstrap ping times out now and then
+            try:
+                dht = hivemind.DHT(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
         tensor = torch.full((args.size,), float(index))
         averager = make_averager(impl, tensor, dht, args)
         if impl == "ours":
@@ -122,7 +130,7 @@ def peer_main(
                 reads=after.board_reads - before.board_reads if after is not None else None,
                 bytes=after.board_bytes_read - before.board_bytes_read if after is not None else None,
                 value=value,
-                rss=tree_rss_bytes(os.getpid()),
+                rss=tree_memory_bytes(os.getpid()),
             )
             results.put(row)
     except Exception:
@@ -185,6 +193,15 @@ def summarize_real(impl: str, peers: int, rows: list[dict]) -> dict[str, float |
     shown = ", ".join(f"{k} {v:.4g}" for k, v in summary.items() if v is not None)
     print(f"{impl}, {peers} peers: {shown}", flush=True)
     return summary
+
+
+def measure_real(impl: str, peers: int, args: argparse.Namespace) -> dict[str, float | None] | None:
+    """:func:`summarize_real` of one run, or None (printed) if a peer failed."""
+    try:
+        return summarize_real(impl, peers, run_real(impl, peers, args))
+    except (RuntimeError, OSError, queue.Empty) as e:
+        print(f"{impl}, {peers} peers: FAILED {str(e)[-600:]}", flush=True)
+        return None
 
 
 # ----- 2. simulation
@@ -316,8 +333,10 @@ def main() -> None:
 
     if not args.no_real:
         for peers in args.peers:
-            ours = summarize_real("ours", peers, run_real("ours", peers, args))
-            theirs = None if args.no_hivemind else summarize_real("hivemind", peers, run_real("hivemind", peers, args))
+            ours = measure_real("ours", peers, args)
+            theirs = None if args.no_hivemind else measure_real("hivemind", peers, args)
+            if ours is None:
+                continue
             case = f"{peers} peers, groups of {args.group}"
             results.append(lower_is_better(case, "step s (median)", ours["step"], theirs and theirs["step"]))
             matchmaking = theirs and theirs["matchmaking"]
