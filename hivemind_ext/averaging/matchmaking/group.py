@@ -340,7 +340,9 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
             if contributing < expected_in_shard(expected, config.target_group_size, 0):
                 return []
         groups, rest = divmod(count, target)
-        if config.target_group_size is None or 0 < rest < config.min_group_size:
+        # (in a shard, the rest falls back to the coarser shard's board soon: see .rotation)
+        stranded = 0 < rest < config.min_group_size and not config.shard_depth
+        if config.target_group_size is None or stranded:
             return []  # no group is full yet, or forming the full ones would strand the rest
         chosen = ranked[: groups * target]
     split = split_evenly(chosen, groups)

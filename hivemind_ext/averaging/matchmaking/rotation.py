@@ -26,11 +26,11 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   (:func:`expected_in_shard`), not as soon as ``M`` are: peers that finished the last round
   together also start looking together, and would otherwise form the same group again. In a shard
   that cannot happen: the members of one group were dealt different last digits.
-- **Falling back.** A peer that is in no full group ``SHARD_WAIT_POLLS`` poll intervals after it
-  came to its shard's board (the shard holds fewer than ``M`` peers; hashed coordinates fill shards
-  unevenly), or at its scheduled time, moves to the coarser shard, one digit shorter
-  (:func:`coarser`), with a fresh attempt and its seniority, down to the prefix's own board, where
-  it waits for a full group or its scheduled time. Peers with different estimates of ``N`` thus
+- **Falling back.** In a shard, full groups form as soon as their peers are looking, whatever is
+  left over. A peer that is in no full group ``SHARD_WAIT_POLLS`` poll intervals after it came to
+  its shard's board (hashed coordinates fill shards unevenly), or at its scheduled time, moves to
+  the coarser shard, one digit shorter (:func:`coarser`), with a fresh attempt and its seniority,
+  down to the prefix's own board, where it waits for a full group or its scheduled time. Peers with different estimates of ``N`` thus
   still meet: the finer ones fall back.
 
 Why it mixes: with ``N = M**d`` peers on a grid (peer ``i`` starting with the base-``M`` digits of
@@ -161,11 +161,11 @@ def rotation_groups(
 ) -> list[list[str]]:
     """One round of the rule for a whole swarm that is looking at once (the model the tests and the
     benchmark simulate): shards by the last ``depth`` digits; in each shard, full groups of ``base``
-    as consecutive runs of the ranking, unless that leaves fewer than ``min_group_size`` (then none,
-    as :func:`.group.plan_groups` forms full groups before the scheduled time); the others fall back
-    one level at a time. On the prefix's board: the fewest groups of at most ``base`` with sizes
-    differing by at most one and at least ``min_group_size`` (the split at the scheduled time); peers
-    left over there (fewer than ``min_group_size``) are in no group."""
+    as consecutive runs of the ranking (as :func:`.group.plan_groups` forms them in a shard before
+    the scheduled time); the others fall back one level at a time. On the prefix's board: the fewest
+    groups of at most ``base`` with sizes differing by at most one and at least ``min_group_size``
+    (the split at the scheduled time); peers left over there (fewer than ``min_group_size``) are in
+    no group."""
     groups: list[list[str]] = []
     waiting = sorted(coordinates, key=lambda peer: (ranking(coordinates[peer]), peer))
     for level in range(depth, -1, -1):
@@ -174,9 +174,9 @@ def rotation_groups(
             shards.setdefault(coordinates[peer][len(coordinates[peer]) - level :] if level else (), []).append(peer)
         waiting = []
         for members in shards.values():
-            if level:  # full groups only, unless they would strand fewer than min_group_size
-                full, rest = divmod(len(members), base)
-                count, size = (full, full * base) if rest == 0 or rest >= min_group_size else (0, 0)
+            if level:  # full groups only; the rest falls back
+                count = len(members) // base
+                size = count * base
             else:  # as .group.plan_groups splits at the scheduled time
                 count = min(-(-len(members) // base), len(members) // min_group_size)
                 size = min(len(members), count * base)
