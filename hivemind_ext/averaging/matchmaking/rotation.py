@@ -30,8 +30,8 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   left over. A peer that is in no full group ``SHARD_WAIT_POLLS`` poll intervals after it came to
   its shard's board (hashed coordinates fill shards unevenly), or at its scheduled time, moves to
   the coarser shard, one digit shorter (:func:`coarser`), with a fresh attempt and its seniority,
-  down to the prefix's own board, where it waits for a full group or its scheduled time. Peers with different estimates of ``N`` thus
-  still meet: the finer ones fall back.
+  down to the prefix's own board, where it waits for a full group or its scheduled time. Peers
+  with different estimates of ``N`` thus still meet: the finer ones fall back.
 
 Why it mixes: with ``N = M**d`` peers on a grid (peer ``i`` starting with the base-``M`` digits of
 ``i // M`` as its last ``d - 1`` digits), every shard of round 1 holds exactly one group of ``M``.
