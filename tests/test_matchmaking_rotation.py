@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +15,7 @@ from matchmaking_builders import board_of, config, declaration
 
 from hivemind_ext.averaging.matchmaking.board import board_key, declaration_write, parse_board, parse_record
 from hivemind_ext.averaging.matchmaking.group import Declaration, GroupInfo, looking_peers
-from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Looking, fall_back, step
+from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Leading, Looking, fall_back, step
 from hivemind_ext.averaging.matchmaking.rotation import (
     DIGITS,
     Digits,
@@ -184,9 +185,13 @@ def test_a_peer_in_no_full_group_of_its_shard_soon_falls_back_to_the_coarser_sha
     me = Declaration(**{**declaration(1, prefix=cfg.group_key, ready_at=20.0).__dict__, "digits": cfg.digits})
     other = Declaration(**{**declaration(2, prefix=cfg.group_key, ready_at=20.0).__dict__, "digits": (3, 1, 2)})
     soon = me.declared_at + SHARD_WAIT_POLLS * cfg.poll_interval
-    assert not step(Looking(me), soon - 0.01, board_of(me, other), cfg).fall_back
-    assert step(Looking(me), soon, board_of(me, other), cfg).fall_back
-    assert step(Looking(me, arrived=soon - 0.1), soon, board_of(me), cfg).fall_back is False, "counts from arrival"
+    read = Looking(me, reads=SHARD_WAIT_POLLS)
+    assert not step(read, soon - 0.01, board_of(me, other), cfg).fall_back
+    assert step(read, soon, board_of(me, other), cfg).fall_back
+    assert not step(Looking(me), soon, board_of(me, other), cfg).fall_back, "nor before it read the board enough"
+    assert step(Looking(me), me.ready_at, board_of(me), cfg).fall_back, "alone at its scheduled time"
+    assert isinstance(step(Looking(me), me.ready_at, board_of(me, other), cfg).state, Leading), "2 form a group then"
+    assert not step(replace(read, arrived=soon - 0.1), soon, board_of(me), cfg).fall_back, "counts from arrival"
     coarse, state, left = fall_back(me, 20.0, cfg)
     assert state.arrived == 20.0
     assert coarse.shard_depth == 1 and coarse.group_key == "run.m4.2"

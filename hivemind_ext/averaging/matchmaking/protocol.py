@@ -40,8 +40,10 @@ URGENT_POLL_FRACTION = 0.2  # share of poll_interval to wait between reads while
 
 EAGER_POLLS = 5  # for this many poll intervals after it starts looking, a peer reads at the urgent pace
 SHARD_WAIT_POLLS = 10
-"""A peer that is in no planned group this many poll intervals after it arrived on a shard's board
-(the shard holds fewer than ``target_group_size`` peers) moves to the coarser shard (see :mod:`.rotation`)."""
+"""A peer that is in no planned group this many poll intervals and reads after it arrived on a
+shard's board (the shard holds fewer than ``target_group_size`` peers) moves to the coarser shard
+(see :mod:`.rotation`). Reads count too: on a loaded machine a read can take several poll
+intervals, and a peer that left before it could see its shard's peers would stall them."""
 
 
 Ignored = tuple[tuple[str, float], ...]  # (peer id, DHT time until which it is left out of plans)
@@ -65,6 +67,7 @@ class Looking:
     waiting_on: tuple[str, float] | None = None
     ignored: Ignored = ()
     arrived: float | None = None  # when it came to this shard's board (None: when it declared)
+    reads: int = 0  # boards read since then
 
 
 @dataclass(frozen=True)
@@ -158,11 +161,8 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     planned = plan_ahead(now, peers, config)
     mine, start_at = next(((group, start) for group, start in planned if me in group), (None, now))
     arrived = me.declared_at if state.arrived is None else state.arrived
-    if (
-        mine is None
-        and config.shard_depth > 0
-        and now >= min(me.ready_at, arrived + SHARD_WAIT_POLLS * config.poll_interval)
-    ):
+    waited = state.reads >= SHARD_WAIT_POLLS and now >= arrived + SHARD_WAIT_POLLS * config.poll_interval
+    if mine is None and config.shard_depth > 0 and (waited or now >= me.ready_at):
         return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no full group here
     if mine is None or mine[0].member != me.member:
         # In a planned group: its leader seals soon. Just started looking: peers that start at the same
@@ -179,6 +179,7 @@ def _waiting(
     state: Looking, me: Declaration, mine: tuple[Declaration, ...] | None, now: float, config: MatchmakingConfig
 ) -> Looking:
     """The next looking state of a peer that does not lead ``mine`` (its planned group, if any)."""
+    state = replace(state, reads=state.reads + 1)
     if mine is None:
         return replace(state, declaration=me, waiting_on=None)
     leader = mine[0].member.peer_id
