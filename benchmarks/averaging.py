@@ -5,15 +5,16 @@ tensor (default 16M values), average it with target_group_size = N. Both average
 the same code through hivemind's API (our class is a drop-in), for each codec in turn. A round is
 timed from the moment all peers call ``step`` together (a barrier) until every peer holds its
 result; the benchmark prints the median over the rounds, the ratio to hivemind, and the bytes
-each of our peers sent against the butterfly minimum 2(N-1)/N x size. By default ours runs twice:
-over libp2p streams (like hivemind) and over the opt-in direct TCP data path.
+each of our peers sent against the butterfly minimum 2(N-1)/N x size. By default ours runs with its
+default settings (the encrypted direct data path); ``--transports`` adds the opt-in plaintext
+direct path and libp2p streams only (like hivemind).
 
 hivemind's 8-bit codecs raise TypeError under numpy 2; run this under numpy 1.26 to compare
 MinMaxUInt8 with hivemind's Uniform8BitQuantization (see the README).
 
     python benchmarks/averaging.py
     python benchmarks/averaging.py --peers 4 --size 16M --rounds 5 --codecs none float16 MinMaxUInt8
-    python benchmarks/averaging.py --transports direct   # ours only over the opt-in direct TCP path
+    python benchmarks/averaging.py --transports default plaintext libp2p   # ours over each data path
 """
 
 from __future__ import annotations
@@ -40,11 +41,18 @@ CODECS = {
 STEP_TIMEOUT = 60.0
 
 
-def make_averager(impl: str, codec: str, tensor: Any, dht: Any, prefix: str, peers: int, direct: bool) -> Any:
+# how our peers move data: the averager's keywords for each choice of --transports
+TRANSPORTS: dict[str, dict[str, Any]] = {
+    "default": {},  # the encrypted direct path where reachable (here: always), libp2p otherwise
+    "plaintext": {"direct_plaintext": True},  # the opt-in plain TCP direct path (loopback or trusted networks)
+    "libp2p": {"direct_data_path": False},  # libp2p streams through the daemons only, like hivemind
+}
+
+
+def make_averager(impl: str, codec: str, tensor: Any, dht: Any, prefix: str, peers: int, transport: str) -> Any:
     extra: dict[str, Any] = {}
     if impl == "ours":
-        if direct:  # plain TCP between our peers, authenticated through libp2p; loopback only here
-            extra["direct_data_path"] = "127.0.0.1"
+        extra.update(TRANSPORTS[transport])
         import hivemind_ext.compression as compression
         from hivemind_ext.averaging import DecentralizedAverager
 
@@ -72,7 +80,7 @@ def peer_main(
     index: int,
     impl: str,
     codec: str,
-    direct: bool,
+    transport: str,
     args: argparse.Namespace,
     initial_peers: list[str],
     barrier: Any,
@@ -87,7 +95,7 @@ def peer_main(
     try:
         dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         tensor = torch.randn(SIZES[args.size], generator=torch.Generator().manual_seed(index))
-        averager = make_averager(impl, codec, tensor, dht, f"bench_{impl}_{codec}", args.peers, direct)
+        averager = make_averager(impl, codec, tensor, dht, f"bench_{impl}_{codec}", args.peers, transport)
         for round_index in range(args.rounds + 1):  # round 0 warms up connections
             barrier.wait(timeout=120)
             start = time.time()
@@ -104,7 +112,9 @@ def peer_main(
             dht.shutdown()
 
 
-def run_swarm(impl: str, codec: str, args: argparse.Namespace, direct: bool = False) -> tuple[list[float], list[int]]:
+def run_swarm(
+    impl: str, codec: str, args: argparse.Namespace, transport: str = "default"
+) -> tuple[list[float], list[int]]:
     """Round times (s) and bytes sent per peer per round for one implementation and codec."""
     import hivemind
 
@@ -113,7 +123,7 @@ def run_swarm(impl: str, codec: str, args: argparse.Namespace, direct: bool = Fa
     initial_peers = [str(addr) for addr in bootstrap.get_visible_maddrs()]
     barrier, results = context.Barrier(args.peers), context.Queue()
     processes = [
-        context.Process(target=peer_main, args=(i, impl, codec, direct, args, initial_peers, barrier, results))
+        context.Process(target=peer_main, args=(i, impl, codec, transport, args, initial_peers, barrier, results))
         for i in range(args.peers)
     ]
     for process in processes:
@@ -149,9 +159,10 @@ def main() -> None:
     parser.add_argument(
         "--transports",
         nargs="+",
-        default=["libp2p", "direct"],
-        choices=["libp2p", "direct"],
-        help="how our peers move data: libp2p streams, and/or the opt-in direct TCP path (hivemind unchanged)",
+        default=["default"],
+        choices=list(TRANSPORTS),
+        help="how our peers move data: default settings (encrypted direct path), the opt-in plaintext direct "
+        "path, libp2p streams only (hivemind unchanged)",
     )
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
@@ -170,7 +181,7 @@ def main() -> None:
             note = note or f"vs hivemind {CODECS[codec][1]}"
         hm_text = f"{hm_median:.3f} s" if hm_median else "-"
         for transport in args.transports if "ours" in args.impls else []:
-            times, sent = run_swarm("ours", codec, args, direct=transport == "direct")
+            times, sent = run_swarm("ours", codec, args, transport)
             ours = statistics.median(times)
             ratio = f"{ours / hm_median:.2f}x hivemind's time" if hm_median else "n/a"
             sent_text = f"{statistics.median(sent) / 1e6:.1f} MB" if sent else "n/a"

@@ -27,10 +27,19 @@ TypeError under numpy 2, so its 8-bit peers run under ``--numpy1-python`` (defau
 a venv made with ``python -m venv --system-site-packages /tmp/np1 && /tmp/np1/bin/pip install
 'numpy<2'``); without it, hivemind's 8-bit figure is left out.
 
+``loopback:direct`` runs ``benchmarks/direct_path.py`` (no namespaces needed): the direct data
+path's throughput on loopback, encrypted (TLS 1.3, the default) against plaintext (the opt-in) and
+libp2p streams; its results join this benchmark's JSON line.
+
+Ours runs with its defaults: since session 6 that is the encrypted direct path between peers that
+can reach each other (the NAT'd peer's pairs fall back to libp2p where it cannot be dialed); the
+output says which paths each round took.
+
 Before each case the benchmark waits (at most ``--max-wait`` s) for the 1-minute load average to drop
 below ``--quiet-load``, and records the load beside the case.
 
-    python benchmarks/wan.py                                     # the default cases, ~8 min
+    python benchmarks/wan.py                      # 100:none 100:8bit 20:none hetero:none loopback:direct
+    python benchmarks/wan.py --cases all          # also 100:float16, 20:float16, 20:8bit, nat:none
     python benchmarks/wan.py --cases 100:none hetero:none --rounds 3
     python benchmarks/wan.py --impls ours --cases 20:none 20:float16 20:8bit
 """
@@ -38,8 +47,10 @@ below ``--quiet-load``, and records the load beside the case.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,7 +78,14 @@ LINKS = {
     "hetero": [Link(20)] + [Link(100)] * (PEERS - 1),
     "nat": [Link(100)] * (PEERS - 1) + [Link(100, behind_nat=True)],
 }
-DEFAULT_CASES = ["100:none", "100:float16", "100:8bit", "20:none", "hetero:none", "nat:none"]
+DIRECT_PATH_CASE = "loopback:direct"  # benchmarks/direct_path.py: encrypted vs plaintext direct path
+ALL_CASES = [f"{link}:{codec}" for link in ("100", "20") for codec in CODECS] + [
+    "hetero:none",
+    "nat:none",
+    DIRECT_PATH_CASE,
+]
+# what fits in 10 minutes on a quiet 2-core machine (each case starts 8 peer processes)
+DEFAULT_CASES = ["100:none", "100:8bit", "20:none", "hetero:none", DIRECT_PATH_CASE]
 
 
 def limit_seconds(link: str, numel: int, bytes_per_value: int) -> float:
@@ -119,6 +137,8 @@ def run_case(impl: str, link: str, codec: str, args: argparse.Namespace) -> dict
                 seconds = round_seconds(results)
                 errors = [r["max_error"] for r in results]
                 failures = [r["error"] for r in results if r["error"]]
+                excluded = sum(len(r["excluded"] or {}) for r in results)
+                paths = sorted({t for r in results for t in (r.get("transports") or {}).values()})
                 bound = 2 * max(r["codec_error"] for r in results) + 1e-5
                 parts = results[0]["part_sizes"]
                 split = (
@@ -129,7 +149,8 @@ def run_case(impl: str, link: str, codec: str, args: argparse.Namespace) -> dict
                 label = "warm-up" if index == 0 else f"round {index}"
                 print(
                     f"  {impl:8s} {label:8s} {seconds:6.2f} s  max error {max(errors):.3g} (bound {bound:.3g})"
-                    f"{split}{'  FAILED: ' + failures[0] if failures else ''}",
+                    f"{split}{' over ' + '+'.join(paths) if paths else ''}"
+                    f"{f'  {excluded} exclusions' if excluded else ''}{'  FAILED: ' + failures[0] if failures else ''}",
                     flush=True,
                 )
                 if index:
@@ -142,28 +163,53 @@ def run_case(impl: str, link: str, codec: str, args: argparse.Namespace) -> dict
     }
 
 
+def direct_path_results(megabytes: int, load: float) -> list[Result]:
+    """Runs benchmarks/direct_path.py (encrypted and plaintext direct path, libp2p, on loopback; it
+    needs no namespaces) and returns its results, the load added to their case names."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "direct_path.py"), "--mb", str(megabytes)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = done.stdout.strip().splitlines()
+    for line in lines[:-1]:
+        print("  " + line, flush=True)
+    if done.returncode != 0 or not lines:
+        print(f"  direct_path.py failed: {done.stderr[-2000:]}", flush=True)
+        return []
+    return [Result(**{**r, "case": f"{r['case']} load {load:.1f}"}) for r in json.loads(lines[-1])["results"]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="LINK:CODEC, see above")
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="LINK:CODEC (see above), or all")
     parser.add_argument("--impls", nargs="+", default=["hivemind", "ours"], choices=["hivemind", "ours"])
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per case, after a warm-up round")
     parser.add_argument("--numel", type=int, default=2**22, help="float32 values per peer (default 4M = 16 MiB)")
     parser.add_argument("--quiet-load", type=float, default=3.0, help="wait for a 1-minute load average below this")
     parser.add_argument("--max-wait", type=float, default=20.0, help="at most this many seconds per case")
     parser.add_argument("--numpy1-python", default="/tmp/np1/bin/python", help="runs hivemind's 8-bit peers")
+    parser.add_argument("--direct-mb", type=int, default=256, help="megabytes per transfer in the loopback case")
     args = parser.parse_args()
+    if args.cases == ["all"]:
+        args.cases = ALL_CASES
     for case in args.cases:
         link, _, codec = case.partition(":")
-        if link not in LINKS or codec not in CODECS:
+        if case != DIRECT_PATH_CASE and (link not in LINKS or codec not in CODECS):
             parser.error(f"unknown case {case!r}: LINK in {list(LINKS)}, CODEC in {list(CODECS)}")
     print(describe_machine(), flush=True)
     missing = unavailable_reason(nat=any(case.startswith("nat:") for case in args.cases))
     if missing is not None:
-        print(f"skipped: network namespaces are not available here: {missing}", flush=True)
-        emit("wan", [])
-        return
+        print(f"shaped cases skipped: network namespaces are not available here: {missing}", flush=True)
+        args.cases = [case for case in args.cases if case == DIRECT_PATH_CASE]
     results: list[Result] = []
     for case in args.cases:
+        if case == DIRECT_PATH_CASE:
+            load = wait_for_quiet(args.quiet_load, args.max_wait)
+            print(f"{case}: benchmarks/direct_path.py --mb {args.direct_mb}, load average {load:.2f}", flush=True)
+            results.extend(direct_path_results(args.direct_mb, load))
+            continue
         link, _, codec = case.partition(":")
         limit = limit_seconds(link, args.numel, CODECS[codec][2])
         load = wait_for_quiet(args.quiet_load, args.max_wait)

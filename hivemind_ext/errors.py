@@ -42,6 +42,12 @@ class ProtocolError(HivemindExtError):
     """A peer sent a message that violates the wire protocol (malformed, oversized, unexpected)."""
 
 
+class AuthenticationError(ProtocolError):
+    """A peer failed to prove the identity it claims: on the direct data path, a certificate other
+    than the one its libp2p identity sent over the ticket call, or a ticket issued to another
+    identity (see ``hivemind_ext.p2p.direct_tls``)."""
+
+
 class MessageTooLargeError(ProtocolError):
     """A message or frame exceeds the configured maximum size."""
 
@@ -94,6 +100,7 @@ class DonorBusyError(PeerUnreachableError):
 
 __all__ = [
     "AllreduceError",
+    "AuthenticationError",
     "ClosedError",
     "CompressionError",
     "ConfigurationError",

@@ -26,7 +26,7 @@ from swarm import new_test_loop
 
 from hivemind_ext.averaging.allreduce.service import AllreduceConfig, AllreduceResult, AllreduceService, RoundHooks
 from hivemind_ext.averaging.matchmaking.group import GroupInfo, Member
-from hivemind_ext.p2p import RPCClient, RPCServer
+from hivemind_ext.p2p import DirectConfig, RPCClient, RPCServer
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 NAMESPACE = "allreduce_test"
@@ -54,9 +54,10 @@ class Peer:
 class Swarm:
     """``size`` peers with running all-reduce services, on an event loop owned by this object."""
 
-    def __init__(self, size: int, *, round_wait_timeout: float = 1.0) -> None:
+    def __init__(self, size: int, *, round_wait_timeout: float = 1.0, direct: DirectConfig | None = None) -> None:
         self.loop = new_test_loop()
         self.round_wait_timeout = round_wait_timeout
+        self.direct = direct  # every peer serves and uses the direct data path with these settings
         self.peers: list[Peer] = []
         self.extra: list[Peer] = []
         self.run(self._start(size), timeout=60)
@@ -65,11 +66,16 @@ class Swarm:
         for _ in range(size):
             self.peers.append(await self.new_peer())
 
-    async def new_peer(self) -> Peer:
+    async def new_peer(self, direct: DirectConfig | None = None) -> Peer:
+        """A fresh peer (serving the direct path with ``direct``, default: the swarm's settings)."""
+        direct = direct if direct is not None else self.direct
         initial = await self.peers[0].p2p.get_visible_maddrs() if self.peers else []
         p2p = await P2P.create(host_maddrs=LOOPBACK, initial_peers=initial)
         server = RPCServer(p2p, NAMESPACE)
-        service = AllreduceService(server, RPCClient(p2p, NAMESPACE), round_wait_timeout=self.round_wait_timeout)
+        if direct is not None:
+            await server.enable_direct(direct)
+        client = RPCClient(p2p, NAMESPACE, prefer_direct=direct is not None)
+        service = AllreduceService(server, client, round_wait_timeout=self.round_wait_timeout)
         await service.start()
         peer = Peer(p2p, server, service)
         if self.peers:

@@ -138,6 +138,7 @@ def main(config: dict[str, Any]) -> None:
                         "receive_rate": getattr(report, "receive_rate", None),
                         "declared_bandwidth": declared,
                         "excluded": getattr(report, "excluded", None),
+                        "transports": getattr(report, "transports", None),
                         "bytes_sent": getattr(report, "bytes_sent", None),
                     }
                 ),

@@ -134,6 +134,20 @@ def test_client_mode_and_auxiliary_members(swarm: Swarm) -> None:
     assert {peers[0].peer_id, peers[1].peer_id, peers[3].peer_id} <= set(aux.gathered)
 
 
+def test_a_slow_member_that_owns_nothing_holds_nobody_up(swarm: Swarm) -> None:
+    # one member at 1/10 of the others' bandwidth: the optimal split gives it no part (see partition.py)
+    peers = swarm.peers
+    members = [peers[0].member(bandwidth=10.0)] + [p.member(bandwidth=100.0) for p in peers[1:]]
+    inputs = inputs_for(4, seed=60)
+    outcomes = swarm.run(run_round(peers, group_of(members), inputs, config=config(part_size_bytes=400)))
+    check_round(peers, inputs, [1.0] * 4, outcomes, honest=range(4))
+    for outcome in outcomes:
+        result = outcome.result
+        assert result.all_averaged and not result.excluded
+        assert result.parts[0].end == result.parts[0].start  # its part is empty, and counts as averaged
+        assert outcome.seconds < 1.5  # nobody waited for a JOIN or a chunk to it (next_chunk_timeout is 2 s)
+
+
 def test_auxiliary_member_with_tensors_and_bandwidth_weighted_parts(swarm: Swarm) -> None:
     peers = swarm.peers[:3]
     members = [peers[0].member(bandwidth=1.0), peers[1].member(bandwidth=3.0, auxiliary=True), peers[2].member()]

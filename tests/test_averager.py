@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -17,6 +19,7 @@ from swarm import local_swarm, wait_for
 from hivemind_ext.averaging import AveragingStage, DecentralizedAverager
 from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import ConfigurationError, MatchmakingError
+from hivemind_ext.p2p import DirectConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -86,25 +89,74 @@ def test_four_peers_reach_the_weighted_mean_and_gather(swarm: list[hivemind.DHT]
         shutdown_all(group)
 
 
-def test_direct_data_path_mixed_with_libp2p_peers_reaches_the_mean(swarm: list[hivemind.DHT]) -> None:
+def test_a_round_that_leaves_a_peer_out_says_so_in_its_report_and_at_warning(
+    swarm: list[hivemind.DHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A member whose values are NaN is excluded by every owner: the round still succeeds for the
+    others (with the mean over the two of them), but their report and a WARNING say that it is not
+    the mean over the whole group, naming the peer left out and why."""
+    group = averagers(swarm[:3], fresh_prefix())
+    poisoned = swarm[2].peer_id.to_base58()
+    with group[2].get_tensors() as tensors:
+        for tensor in tensors:
+            tensor.fill_(float("nan"))
+    try:
+        pool = concurrent.futures.ThreadPoolExecutor(3)
+        with caplog.at_level(logging.WARNING, logger="hivemind_ext"):
+            # the poisoned peer averages nothing and retries until its timeout: only the others are awaited
+            futures = [pool.submit(averager.step, timeout=30) for averager in group]
+            assert futures[0].exception(timeout=60) is None and futures[1].exception(timeout=60) is None
+        pool.shutdown(wait=False)
+        for averager in group[:2]:
+            report = averager.last_round
+            assert not report.complete and list(report.missing) == [poisoned]
+            assert "NaN" in report.missing[poisoned]
+            with averager.get_tensors() as tensors:
+                for tensor, *inputs in zip(tensors, make_tensors(0), make_tensors(1), strict=True):
+                    torch.testing.assert_close(tensor, sum(inputs) / 2, rtol=1e-5, atol=1e-6)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        partial = [m for m in warnings if "NOT the mean over the whole group" in m]
+        assert len(partial) >= 2 and all(poisoned in m and "NaN" in m for m in partial), warnings
+    finally:
+        shutdown_all(group)
+
+
+def test_direct_path_is_on_by_default_and_each_pair_reports_its_transport(swarm: list[hivemind.DHT]) -> None:
+    """Peers 0 and 1 use the defaults (encrypted direct path); peer 2 offers an address nobody can
+    reach; peer 3 opts into plaintext, which default peers refuse; peer 4 is in client mode (it
+    dials out, nobody dials it). Every pair that can use the encrypted direct path does, the others
+    fall back to libp2p, and the mean is exact."""
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    unreachable = DirectConfig(host="127.0.0.1", advertise_port=closed_port)
+    per_peer: list[dict[str, Any]] = [{}, {}, dict(direct_data_path=unreachable), dict(direct_plaintext=True), {}]
     prefix = fresh_prefix()
-    options = dict(target_group_size=3, min_matchmaking_time=30.0, request_timeout=1.0, start=True)
+    options = dict(target_group_size=5, min_matchmaking_time=30.0, request_timeout=1.0, start=True)
     group = [
-        DecentralizedAverager(make_tensors(0), swarm[0], prefix=prefix, direct_data_path="127.0.0.1", **options),
-        DecentralizedAverager(make_tensors(1), swarm[1], prefix=prefix, direct_data_path="127.0.0.1", **options),
-        DecentralizedAverager(make_tensors(2), swarm[2], prefix=prefix, **options),  # no direct path: libp2p
+        DecentralizedAverager(make_tensors(i), swarm[i], prefix=prefix, **options, **per_peer[i]) for i in range(5)
     ]
     try:
-        originals = [make_tensors(seed) for seed in range(3)]
+        originals = [make_tensors(seed) for seed in range(5)]
         step_all(group)
         for index, expected in enumerate(zip(*originals, strict=True)):
             for averager in group:
                 with averager.get_tensors() as tensors:
-                    torch.testing.assert_close(tensors[index], sum(expected) / 3, rtol=1e-5, atol=1e-6)
-            assert all(averager.last_round.excluded == {} for averager in group)
-        connector = group[0].rpc_client.direct  # which transport each peer got
-        assert connector is not None and not connector.is_failing(group[1].runtime.p2p.peer_id)
-        assert connector.is_failing(group[2].runtime.p2p.peer_id)  # fell back to libp2p
+                    torch.testing.assert_close(tensors[index], sum(expected) / 5, rtol=1e-5, atol=1e-6)
+        assert all(averager.last_round.excluded == {} for averager in group)
+        names = [str(averager.peer_id) for averager in group]
+        direct = {(0, 1), (1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (4, 0), (4, 1)}  # (caller, owner)
+        for caller, averager in enumerate(group):
+            report = averager.last_round
+            expected = {
+                names[owner]: "direct" if (caller, owner) in direct else "libp2p"
+                for owner in range(4)
+                if owner != caller
+            }
+            assert report.transports == expected, f"peer {caller}"
+            assert set(report.direct_failures) == {p for p, t in expected.items() if t == "libp2p"}
+        assert "PeerUnreachableError" in group[0].last_round.direct_failures[names[2]]
+        assert "plaintext" in group[0].last_round.direct_failures[names[3]]
         with pytest.raises(ConfigurationError):
             DecentralizedAverager(make_tensors(0), swarm[0], prefix="x", direct_data_path="localhost", start=False)
     finally:
@@ -175,6 +227,7 @@ def test_client_mode_and_auxiliary_peers(swarm: list[hivemind.DHT]) -> None:
         step_all(group)
         expected = [sum(ts) / 3 for ts in zip(make_tensors(0), make_tensors(1), make_tensors(4), strict=True)]
         for averager in trainers:
+            assert averager.last_round.complete and averager.last_round.missing == {}  # the helper is no member
             with averager.get_tensors() as tensors:
                 for tensor, mean in zip(tensors, expected, strict=True):
                     torch.testing.assert_close(tensor, mean, rtol=1e-5, atol=1e-6)

@@ -55,13 +55,16 @@ def test_a_slow_peer_gets_no_part_when_that_is_optimal() -> None:
     assert part_sizes(1000, roles) == [0, 334, 333, 333]
 
 
-def test_a_slightly_slower_peer_gets_a_smaller_part_and_equal_bandwidths_split_evenly() -> None:
+def test_the_optimum_gives_a_slightly_slower_peer_a_smaller_part() -> None:
     roles = [MemberRole(80.0), MemberRole(100.0), MemberRole(100.0), MemberRole(100.0)]
     fractions = optimal_fractions(roles)
     assert 0 < fractions[0] < 0.25 < fractions[1] == fractions[2] == fractions[3]
     times = [(1 + 2 * f) / role.bandwidth for f, role in zip(fractions, roles, strict=True)]
     assert times == pytest.approx([times[0]] * 4)  # water-filled: everyone finishes together
     assert part_sizes(1000, [MemberRole(5.0)] * 4) == [250] * 4
+    # what part_sizes plans with: within a factor 2 of the median counts as noise, a clearly slower peer does not
+    assert part_sizes(1000, roles) == [250] * 4
+    assert part_sizes(1000, [MemberRole(40.0)] + [MemberRole(100.0)] * 3) == [0, 334, 333, 333]
 
 
 def test_client_mode_owns_nothing_and_auxiliary_peers_own_parts() -> None:
@@ -85,6 +88,9 @@ def test_noisy_equal_bandwidths_keep_the_even_split() -> None:
     assert min(optimal_fractions(roles)) < 0.23 and max(optimal_fractions(roles)) > 0.27
     assert planned_fractions(roles) == [0.25] * 4
     assert part_sizes(100, roles) == [25] * 4
+    # within a factor 2 of the median (a busy CPU, a late start): the same link, as far as we can tell
+    noisy = [MemberRole(60.0), MemberRole(100.0), MemberRole(130.0), MemberRole(180.0), MemberRole(90.0)]
+    assert planned_fractions(noisy) == [0.2] * 5
 
 
 def test_zero_bandwidths_split_evenly_and_all_clients_is_an_error() -> None:
@@ -96,7 +102,7 @@ def test_zero_bandwidths_split_evenly_and_all_clients_is_an_error() -> None:
             part_sizes(7, [MemberRole(bad), MemberRole(1.0)])
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=120, deadline=None, derandomize=True)
 @given(total=st.integers(0, 10**9), roles=roles_strategy)
 def test_sizes_are_exact_deterministic_and_never_worse_than_the_even_split(total: int, roles: list[MemberRole]) -> None:
     if all(r.client_mode for r in roles):
@@ -114,7 +120,7 @@ def test_sizes_are_exact_deterministic_and_never_worse_than_the_even_split(total
         assert predicted_time([s / total for s in sizes], roles) <= optimum * (1 + 1e-4) + 1e-12
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     roles=st.lists(st.builds(MemberRole, st.floats(0.01, 1000), st.booleans(), st.booleans()), min_size=3, max_size=12)
 )
@@ -124,7 +130,7 @@ def test_fractions_reach_the_linear_programs_optimum(roles: list[MemberRole]) ->
     assert predicted_time(optimal_fractions(roles), roles) == pytest.approx(lp_optimum(roles), rel=1e-6)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(roles=roles_strategy, scale=st.sampled_from([1e-300, 1e-20, 1.0, 1e20, 1e290]))
 def test_fractions_do_not_depend_on_the_unit(roles: list[MemberRole], scale: float) -> None:
     if all(r.client_mode for r in roles):

@@ -179,6 +179,28 @@ def test_error_feedback_keeps_residuals_with_their_values_when_parts_move() -> N
         feedback.compress(x.view(-1)[:10], info.get_part(9, 10, 995))  # beyond the tensor
 
 
+def test_restoring_a_snapshot_after_a_failed_round_counts_nothing_twice() -> None:
+    """DiLoCo's retry after a failed round: the pseudo-gradient of both rounds is sent at once. With the
+    residuals restored to before the failed round, what is sent over all successful rounds tracks the
+    inputs exactly as if the failed round had never happened; without, it overshoots."""
+    generator = torch.Generator().manual_seed(9)
+    steps = [torch.randn(400, generator=generator) for _ in range(3)]
+    info = CompressionInfo(key="w", shape=(400,)).get_part(0, 400, 0)
+    overshoot = {}
+    for restoring in (True, False):
+        feedback = ErrorFeedback(SparseTopK(density=0.05, bits=4, chunk_size=100))
+        sent = decompress(feedback.compress(steps[0], info))  # round 1 succeeds
+        before = feedback.snapshot()
+        feedback.compress(steps[1], info)  # round 2 fails: nothing it sent is applied
+        if restoring:
+            feedback.restore(before)
+        sent += decompress(feedback.compress(steps[1] + steps[2], info))  # round 3 retries with both steps
+        error = sum(steps) - sent - feedback.tensor_residual("w")
+        overshoot[restoring] = float(error.abs().max())
+    assert overshoot[True] < 1e-4
+    assert overshoot[False] > 1.0  # the failed round's step, less what its message kept, counted twice
+
+
 # ----- bit packing
 
 

@@ -1,8 +1,10 @@
-"""The opt-in direct data path (plain TCP, authenticated through libp2p) against real daemons on 127.0.0.1.
+"""The direct data path (TLS by default, plaintext opted into; authenticated through libp2p)
+against real daemons on 127.0.0.1.
 
-Hostile callers are simulated by opening raw TCP connections to the server's direct port and
-writing bytes by hand; fallbacks by servers without the direct path, with their port closed, or
-with a listener that never answers.
+Hostile callers of the token protocol are simulated by opening raw TCP connections to a plaintext
+server's direct port and writing bytes by hand (tests/test_p2p_direct_tls.py covers TLS: pinned
+certificates, stolen tickets, tampering); fallbacks by servers without the direct path, with their
+port closed, or with a listener that never answers.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from hivemind_ext.p2p import (
     RPCContext,
     RPCServer,
 )
-from hivemind_ext.p2p.direct_server import TicketBook
+from hivemind_ext.p2p.direct_server import TicketBook, TicketHolder
 from hivemind_ext.p2p.direct_transport import DirectStream, open_direct_connection, start_direct_server
 from hivemind_ext.p2p.direct_wire import (
     ACCEPTED,
@@ -37,8 +39,10 @@ from hivemind_ext.p2p.direct_wire import (
     HELLO_MAGIC,
     REJECTED,
     TICKET_HANDLER,
+    Ticket,
     encode_hello,
     parse_ticket_response,
+    ticket_request,
 )
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -46,6 +50,8 @@ NAMESPACE = "direct_test"
 MB = 1024 * 1024
 LIMITS = Limits(max_payload_bytes=16 * MB)
 LOOPBACK_DIRECT = DirectConfig(host="127.0.0.1")
+PLAINTEXT_DIRECT = DirectConfig(host="127.0.0.1", plaintext=True)
+ALLOW_PLAINTEXT = DirectClientConfig(allow_plaintext=True)
 
 
 async def whoami(request: Message, context: RPCContext) -> Message:
@@ -79,8 +85,10 @@ class Pair:
         assert bytes(response.payload) == payload
         return response
 
-    async def ticket(self) -> tuple[str, int, float, list[bytes]]:
-        response = await self.client.call(self.peer, TICKET_HANDLER, Message({"count": 2}), timeout=5)
+    async def ticket(self) -> Ticket:
+        assert self.client.direct is not None
+        request = Message(ticket_request(2, self.client.direct.identity.cert_der))
+        response = await self.client.call(self.peer, TICKET_HANDLER, request, timeout=5)
         return parse_ticket_response(response.header)
 
 
@@ -154,13 +162,14 @@ async def test_without_prefer_direct_calls_use_libp2p() -> None:
 
 @async_test
 async def test_wrong_reused_and_expired_tokens_are_rejected_and_the_server_keeps_serving() -> None:
-    async with pair(DirectConfig(host="127.0.0.1", token_ttl=0.5)) as peers:
-        _, port, _, tokens = await peers.ticket()
+    async with pair(DirectConfig(host="127.0.0.1", token_ttl=0.5, plaintext=True), ALLOW_PLAINTEXT) as peers:
+        ticket = await peers.ticket()
+        port, tokens = ticket.port, ticket.tokens
         assert await raw_hello(port, encode_hello(os.urandom(32), "whoami")) == REJECTED  # never issued
         assert (await raw_hello(port, encode_hello(tokens[0], "no_such_handler")))[:1] == REJECTED
         assert await raw_hello(port, encode_hello(tokens[0], "whoami")) == REJECTED  # consumed above
         assert (await raw_hello(port, encode_hello(tokens[1], TICKET_HANDLER)))[:1] == REJECTED
-        _, _, _, fresh = await peers.ticket()
+        fresh = (await peers.ticket()).tokens
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(encode_hello(fresh[0], "whoami"))
         assert await reader.readexactly(1) == ACCEPTED
@@ -177,7 +186,7 @@ def test_ticket_book_issues_redeems_once_and_expires() -> None:
     alice, bob = PeerID(b"alice-peer-id"), PeerID(b"bob-peer-id")
     tokens = book.issue(alice, 2, now=0.0)
     assert len(set(tokens)) == 2 and all(len(token) == 32 for token in tokens)
-    assert book.redeem(tokens[0], now=1.0) == alice
+    assert book.redeem(tokens[0], now=1.0) == TicketHolder(alice, None)
     assert book.redeem(tokens[0], now=1.0) is None  # one-time
     assert book.redeem(tokens[1], now=10.0) is None  # expired
     assert book.redeem(os.urandom(32), now=1.0) is None
@@ -266,20 +275,20 @@ async def test_silent_direct_listener_falls_back_within_the_connect_timeout() ->
 
 @async_test
 async def test_garbage_and_idle_connections_do_not_crash_or_hang_the_server() -> None:
-    async with pair(DirectConfig(host="127.0.0.1", hello_timeout=0.5)) as peers:
+    async with pair(DirectConfig(host="127.0.0.1", hello_timeout=0.5, plaintext=True), ALLOW_PLAINTEXT) as peers:
         _, port = peers.server.direct_address
         assert await raw_hello(port, os.urandom(4096)) in (b"", REJECTED)  # bad magic: dropped
         assert await raw_hello(port, HELLO_MAGIC + os.urandom(32) + b"\xff\xff" + b"x" * 100) in (b"", REJECTED)
         assert await raw_hello(port, b"") == b""  # connects, says nothing: dropped at hello_timeout
         assert await raw_hello(port, HELLO_HEAD.pack(HELLO_MAGIC, os.urandom(32), 5)[:20]) == b""
-        _, _, _, tokens = await peers.ticket()
+        tokens = (await peers.ticket()).tokens
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(encode_hello(tokens[0], "whoami") + os.urandom(1000))  # accepted, then garbage frames
         assert await reader.readexactly(1) == ACCEPTED
         tail = await asyncio.wait_for(reader.read(), 15)  # an ERROR frame at most, then closed
         assert len(tail) < 1000
         writer.close()
-        assert (await peers.whoami()).header["transport"] == "direct"
+        assert (await peers.whoami()).header["transport"] == "direct-plaintext"
     await wait_for_no_p2p_tasks()
 
 

@@ -24,8 +24,9 @@ from test_p2p import NAMESPACE, Peers, async_test, frame_bytes, open_frame, serv
 
 from hivemind_ext.errors import MessageTooLargeError
 from hivemind_ext.p2p import DirectConfig, FrameKind, HandlerConfig, Limits, Message, framing, protocol_name
-from hivemind_ext.p2p.direct_transport import open_direct_connection
-from hivemind_ext.p2p.direct_wire import ACCEPTED, TICKET_HANDLER, encode_hello, parse_ticket_response
+from hivemind_ext.p2p.direct_tls import DirectIdentity, client_context, sni_name
+from hivemind_ext.p2p.direct_transport import connect_tcp, start_client_session
+from hivemind_ext.p2p.direct_wire import ACCEPTED, TICKET_HANDLER, encode_hello, parse_ticket_response, ticket_request
 from hivemind_ext.p2p.receive_budget import ReceiveBudget, receiving_bytes
 
 MB = 1024 * 1024
@@ -68,10 +69,13 @@ async def open_hostile(peers: Peers, direct: bool) -> tuple[asyncio.StreamWriter
             peers.peer, protocol_name(NAMESPACE, "sink")
         )
         return writer, reader
-    ticket = await peers.client.call(peers.peer, TICKET_HANDLER, Message({"count": 1}), timeout=10)
-    host, port, _, tokens = parse_ticket_response(ticket.header)
-    reader, writer = await open_direct_connection(host, port)
-    writer.write(encode_hello(tokens[0], "sink"))
+    identity = DirectIdentity.generate()  # over TLS, as every direct caller by default
+    request = Message(ticket_request(1, identity.cert_der))
+    ticket = parse_ticket_response((await peers.client.call(peers.peer, TICKET_HANDLER, request, timeout=10)).header)
+    tls = client_context(identity, ticket.cert)
+    sock = await connect_tcp(ticket.host, ticket.port)
+    reader, writer = await start_client_session(sock, tls=tls, server_name=sni_name(identity.cert_der))
+    writer.write(encode_hello(ticket.tokens[0], "sink"))
     assert await asyncio.wait_for(reader.readexactly(1), 10) == ACCEPTED
     return writer, None
 

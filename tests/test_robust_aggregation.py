@@ -45,7 +45,14 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 aggregators = st.sampled_from(
-    [WeightedMean(), CenteredClip(tau=1.0, iterations=10), TrimmedMean(trim=0.25), TrimmedMean(trim=0.0)]
+    [
+        WeightedMean(),
+        CenteredClip(tau=1.0, iterations=10),
+        CenteredClip(),
+        CenteredClip(spread=0.5, iterations=7),
+        TrimmedMean(trim=0.25),
+        TrimmedMean(trim=0.0),
+    ]
 )
 
 
@@ -90,6 +97,72 @@ def test_one_outlier_moves_centered_clip_by_at_most_tau_per_iteration(data, scal
 
 
 @settings(max_examples=60, deadline=None)
+@given(
+    contributions(min_n=3),
+    st.sampled_from([1.0, 1e6, 1e30, -1e30]),
+    st.sampled_from([0.5, 2.0, 4.0]),
+    st.integers(min_value=1, max_value=20),
+)
+def test_one_outlier_at_any_scale_moves_adaptive_centered_clip_a_bounded_distance(data, scale, spread, iterations):
+    values, weights = data
+    attacked = values.clone()
+    attacked[0] = attacked[0] * scale + scale  # arbitrary values for sender 0
+    honest = values[1:]
+    # with one outlier among n >= 3, the coordinate-wise median lies in the honest values' box, the
+    # median distance to it is at most the box's diagonal, so tau <= spread * diagonal, and each
+    # iteration moves the centre by at most tau: a bound that does not depend on the outlier
+    diagonal = float(torch.linalg.vector_norm(honest.max(0).values - honest.min(0).values))
+    clip = CenteredClip(spread=spread, iterations=iterations)
+    assert clip.radius(attacked) <= spread * diagonal * (1 + 1e-9)
+    result = clip.aggregate(attacked, weights)
+    error = float(torch.linalg.vector_norm(result - weighted_mean(honest, weights[1:])))
+    assert math.isfinite(error) and error <= diagonal * (1 + iterations * spread) * (1 + 1e-9) + 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(contributions(), st.sampled_from([1e-3, 0.5, 7.0, 1e4]), st.floats(min_value=-100, max_value=100))
+def test_adaptive_centered_clip_follows_the_scale_and_offset_of_its_inputs(data, factor, shift) -> None:
+    # tau comes from the inputs' own spread, so the rule has no units: scaling or shifting every
+    # contribution scales or shifts the result (a fixed tau clips more at larger scales)
+    values, weights = data
+    clip = CenteredClip()
+    base = clip.aggregate(values, weights)
+    moved = clip.aggregate(values * factor + shift, weights)
+    torch.testing.assert_close(moved, base * factor + shift, rtol=1e-7, atol=1e-7 * (abs(shift) + factor))
+
+
+def test_adaptive_centered_clip_is_the_mean_of_a_normal_round_and_clips_an_outlier() -> None:
+    generator = torch.Generator().manual_seed(0)
+    honest = torch.randn(1, 500, generator=generator) + 0.3 * torch.randn(7, 500, generator=generator)
+    weights = torch.arange(1.0, 8.0)
+    # like honest gradients: equally noisy around one mean, so no one is 2x the median distance away
+    torch.testing.assert_close(CenteredClip().aggregate(honest, weights), weighted_mean(honest, weights))
+    flipped = torch.cat([honest, -10 * honest[:1]])  # a sign-flip attacker, within any norm bound
+    all_weights = torch.cat([weights, torch.tensor([4.0])])
+    tau = CenteredClip().radius(flipped)
+    honest_mean = weighted_mean(honest, weights)
+    error = float(torch.linalg.vector_norm(CenteredClip().aggregate(flipped, all_weights) - honest_mean))
+    # at the fixed point the attacker pulls by tau * w_a / W_honest; the plain mean is ~10x further off
+    plain_error = float(torch.linalg.vector_norm(weighted_mean(flipped, all_weights) - honest_mean))
+    assert error <= 1.05 * tau * 4 / 28 and error < plain_error / 5
+
+
+def test_adaptive_centered_clip_keeps_what_most_senders_agree_on() -> None:
+    agreed = torch.tensor([1.0, -2.0, 3.0])
+    values = torch.stack([agreed, agreed, agreed, torch.tensor([1e30, 0.0, 0.0]), torch.tensor([5.0, 5.0, 5.0])])
+    clip = CenteredClip()
+    assert clip.radius(values) == 0.0  # the median distance to the median is 0: no scale to clip with
+    torch.testing.assert_close(clip.aggregate(values, torch.ones(5)), agreed)
+
+
+def test_centered_clip_radius_is_fixed_when_tau_is_given() -> None:
+    values = torch.randn(5, 9, generator=torch.Generator().manual_seed(2))
+    assert CenteredClip(tau=0.25).radius(values) == 0.25
+    assert CenteredClip(tau=0.25).radius(values * 1e6) == 0.25
+    assert CenteredClip(spread=3.0).radius(values * 2) == pytest.approx(2 * CenteredClip(spread=3.0).radius(values))
+
+
+@settings(max_examples=60, deadline=None)
 @given(contributions())
 def test_trimmed_mean_without_trimming_is_the_weighted_mean(data) -> None:
     values, weights = data
@@ -122,6 +195,10 @@ def test_bad_settings_are_refused() -> None:
     for make in (
         lambda: CenteredClip(tau=0.0),
         lambda: CenteredClip(tau=1.0, iterations=0),
+        lambda: CenteredClip(tau=-1.0),
+        lambda: CenteredClip(spread=0.0),
+        lambda: CenteredClip(spread=math.inf),
+        lambda: CenteredClip(tau=True),
         lambda: TrimmedMean(trim=0.5),
         lambda: AllreduceConfig(norm_bound=0.5),
         lambda: AllreduceConfig(aggregator="median"),
@@ -170,7 +247,7 @@ def test_without_the_bound_the_huge_contribution_is_averaged_in() -> None:
     assert float(reducer.finalize().values.abs().max()) > 1e4
 
 
-@pytest.mark.parametrize("aggregator", [CenteredClip(tau=1.0), TrimmedMean(trim=0.25)])
+@pytest.mark.parametrize("aggregator", [CenteredClip(tau=1.0), CenteredClip(), TrimmedMean(trim=0.25)])
 def test_robust_aggregators_in_the_reducer_match_the_pure_function(aggregator) -> None:
     data = _slices(4, seed=3)
     data[3] = data[3] * 50  # within the norm bound: only the aggregator deals with it
@@ -274,8 +351,10 @@ def test_plain_averaging_excludes_a_huge_contribution_by_default(swarm: list[hiv
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_centered_clip_keeps_the_average_close_to_the_honest_mean(swarm: list[hivemind.DHT]) -> None:
-    tau = 3.0  # per part (1000 values): honest peers are ~4.5 apart there
+@pytest.mark.parametrize("tau", [3.0, None])
+def test_centered_clip_keeps_the_average_close_to_the_honest_mean(swarm: list[hivemind.DHT], tau) -> None:
+    # fixed: tau 3 per part (1000 values), where honest peers are ~4.5 apart; adaptive: twice the
+    # median distance to the coordinate-wise median there (~2 x 2.7)
     group = _attacked_round(swarm, aggregator=CenteredClip(tau=tau, iterations=20), norm_bound=None)
     try:
         expected = _honest_mean()
@@ -285,8 +364,8 @@ def test_centered_clip_keeps_the_average_close_to_the_honest_mean(swarm: list[hi
             with averager.get_tensors() as tensors:
                 error = float(torch.linalg.vector_norm(tensors[0] - expected))
             # at the fixed point the attacker pulls each of the 4 parts by tau * w_a / W_honest = 1/3
-            # (0.67 in all); the plain mean would be off by ~6e6
-            assert error < 1.0, error
+            # (0.67 in all) with tau 3, ~0.6 (1.2 in all) adaptive; the plain mean is off by ~6e6
+            assert error < (1.0 if tau else 2.0), error
             assert averager.last_round is not None and averager.last_round.excluded == {}
     finally:
         for averager in group:

@@ -40,7 +40,7 @@ from hivemind_ext.averaging.state_sharing.records import donors_key, parse_donor
 from hivemind_ext.averaging.tensor_layout import TensorSpec, chunk_tensors
 from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import DeadlineExceededError, DonorBusyError, StateLoadError
-from hivemind_ext.p2p import Message, RPCClient
+from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Message, RPCClient
 from hivemind_ext.p2p.loop_thread import LoopThread
 from hivemind_ext.p2p.signing import default_signing_key, split_signed_subkey
 
@@ -180,6 +180,7 @@ class Peers:
         *,
         hooks: DonorHooks | None = None,
         get_state: Callable | None = None,
+        direct: DirectConfig | None = None,
         **overrides: Any,
     ) -> StateDonor:
         donor = StateDonor(
@@ -189,13 +190,14 @@ class Peers:
             get_state=get_state or snapshot_of(state),
             version=version,
             hooks=hooks,
+            direct=direct,
         )
         await donor.start()
         self.stack.push_async_callback(donor.shutdown)
         return donor
 
-    def loader(self, index: int = NEWCOMER, **overrides: Any) -> StateLoader:
-        return StateLoader(config(self.prefix, **overrides), dht=self.dhts[index], p2p=self.p2ps[index])
+    def loader(self, index: int = NEWCOMER, direct: DirectClientConfig | None = None, **overrides: Any) -> StateLoader:
+        return StateLoader(config(self.prefix, **overrides), dht=self.dhts[index], p2p=self.p2ps[index], direct=direct)
 
     async def advertised(self, count: int, *, accepting: bool = True, timeout: float = 10.0) -> None:
         """Waits until the newcomer's DHT shows ``count`` donor records (accepting or not)."""
@@ -276,6 +278,18 @@ async def test_newcomer_downloads_the_donors_exact_state_and_metadata(network: N
         metadata, tensors = await peers.loader().load_state_from_peers(timeout=30)  # hivemind's shape
         assert_same_state(LoadedState(metadata, tensors, 5, {}, {}, 0.0), state)
         assert donor.snapshots_taken == 1  # the second download reused the snapshot
+
+
+@pytest.mark.timeout(60)
+@in_loop
+async def test_a_download_goes_over_the_encrypted_direct_path_where_both_sides_use_it(network: Network) -> None:
+    async with network.view() as peers:
+        state = make_state(8)
+        await peers.donor(A, state, version=1, direct=DirectConfig(host="127.0.0.1"))
+        await peers.advertised(1)
+        loader = peers.loader(direct=DirectClientConfig())
+        assert_same_state(await loader.load_state(timeout=30), state)
+        assert loader.client.transports_since(0.0) == {peers.p2ps[A].peer_id: "direct"}
 
 
 @pytest.mark.timeout(60)

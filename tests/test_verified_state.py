@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import threading
 from typing import Any
 
 import hivemind
@@ -33,7 +34,7 @@ from swarm import local_swarm, wait_for
 from hivemind_ext.errors import ConfigurationError, UntrustedStateError
 from hivemind_ext.optim.state_averager import TrainingStateAverager
 from hivemind_ext.optim.state_checks import StateBounds, check_state_values
-from hivemind_ext.optim.state_digests import majority_digest, state_digest
+from hivemind_ext.optim.state_digests import DigestBoard, majority_digest, state_digest
 
 pytestmark = pytest.mark.slow
 
@@ -209,6 +210,52 @@ def test_a_peer_whose_parameters_silently_diverge_resyncs() -> None:
         assert in_line, f"the diverged peer never came back in line (epochs {later})"
         assert victim.opt.state_digests is not None and victim.opt.state_digests.divergences >= 1
         assert trainers[0].opt.state_digests.divergences == 0
+
+
+@pytest.mark.timeout(150)
+def test_a_fake_digest_majority_only_makes_honest_peers_resync_from_honest_donors() -> None:
+    """Three Sybil keys (each on a DHT of its own, so each signs its own records) publish one fake
+    state digest for every epoch the two honest peers reach: they outvote them, and the honest
+    peers resync. That is all they can do: the resync downloads from a donor (the other honest
+    peer; the Sybils serve no state), so nobody's parameters leave the honest trajectory."""
+    run_id = "fake_digests"
+    with local_swarm(5) as dhts, shutting_down() as optimizers:
+        honest = make_trainers(dhts[:2], optimizers, 2, run_id, average_state_every=1000)
+        prefix = honest[0].opt.state_averager.prefix
+        fake = ({"epoch": -1}, [torch.zeros(1)])
+        sybils = [
+            DigestBoard(dht, prefix, dht.peer_id.to_base58(), take_state=lambda: fake, on_diverged=lambda _: None)
+            for dht in dhts[2:]
+        ]
+        stop, published = threading.Event(), set()
+
+        def publish_fake_digests() -> None:
+            while not stop.is_set():
+                epoch = max(t.opt.local_epoch for t in honest)
+                for e in sorted({max(epoch - 1, 0), epoch, epoch + 1} - published):
+                    for board in sybils:
+                        board.after_epoch(e)
+                    published.add(e)
+                stop.wait(0.05)
+
+        publisher = threading.Thread(target=publish_fake_digests, daemon=True)
+        publisher.start()
+        try:
+            train_together(honest, until_epoch=4, seconds=100)
+        finally:
+            stop.set()
+            publisher.join(10)
+            for board in sybils:
+                board.shutdown()
+        assert all(t.opt.state_digests is not None and t.opt.state_digests.divergences >= 1 for t in honest)
+        downloads = sum(t.opt.state_averager.donor.stats.downloads for t in honest)
+        assert downloads >= 1, "the outvoted peers never resynced"
+        # still one honest trajectory: the two peers match at some epoch after the resyncs began
+        common = sorted(set(honest[0].history) & set(honest[1].history) - {0, 1})
+        assert any(same_params(honest[0].history[e], honest[1].history[e]) for e in common), common
+        for trainer in honest:
+            assert all(torch.isfinite(p).all() for p in params_of(trainer.model))
+            assert all(group["lr"] == pytest.approx(LR) for group in trainer.opt.param_groups)
 
 
 # ----- the pure parts

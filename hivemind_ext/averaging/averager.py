@@ -22,7 +22,6 @@ import logging
 import math
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -59,7 +58,9 @@ from hivemind_ext.errors import (
     StateLoadError,
 )
 from hivemind_ext.p2p.client import RPCClient
+from hivemind_ext.p2p.deadlines import now as loop_now
 from hivemind_ext.p2p.direct_server import DirectConfig
+from hivemind_ext.p2p.direct_settings import DirectSettings
 from hivemind_ext.p2p.runtime import PeerRuntime
 from hivemind_ext.p2p.server import RPCServer
 from hivemind_ext.p2p.tasks import TaskOwner
@@ -71,9 +72,15 @@ NO_DEADLINE = 365 * 24 * 3600.0  # "no timeout": a step still gives up eventuall
 SIGNING_SETUP_TIMEOUT = 10.0  # how long the start waits for the DHT to take the record signing set-up
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RoundReport:
-    """What the last finished round did (for logs, tests and benchmarks)."""
+    """What the last finished round did (for logs, tests and benchmarks).
+
+    ``complete`` is False when the result is not the mean over every contributing member of the
+    group: ``missing`` then says whose values are missing from some part, and why (a peer excluded
+    as too slow, broken or hostile, or an owner whose part kept local values). Such a round still
+    counts as a success (its step returns normally), as in hivemind, and is logged at WARNING.
+    """
 
     group_size: int
     contributors: tuple[tuple[str, ...], ...]  # per part
@@ -81,8 +88,18 @@ class RoundReport:
     bytes_sent: int
     bytes_received: int
     seconds: float
+    missing: dict[str, str] = dataclasses.field(default_factory=dict)  # contributing members left out, why
     part_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # values each owner reduced
     receive_rate: float | None = None  # bytes/s this peer received at (None: too little data to tell)
+    # groupmate -> the path this peer's streams to it took: "direct" (TLS), "direct-plaintext" or
+    # "libp2p"; groupmates it opened no stream to (client-mode peers own no part) are not listed
+    transports: dict[str, str] = dataclasses.field(default_factory=dict)
+    # groupmate -> why the direct path to it failed (the typed error), for the pairs that fell back to libp2p
+    direct_failures: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
 
 
 class DecentralizedAverager:
@@ -105,7 +122,10 @@ class DecentralizedAverager:
     :param part_size_bytes: all-reduce chunk size: parts are streamed and reduced in chunks of this size
       (default 2 MiB, larger than hivemind's 512 KiB: fewer, larger frames measured 20-30% faster)
     :param allreduce_timeout: an all-reduce round gives up on missing peers after this many seconds
-    :param next_chunk_timeout: a peer that sends nothing for this long is excluded from the round
+    :param next_chunk_timeout: a peer whose stream moves no byte for this long while one is due is
+      excluded from the round's part (an idle window: a slow link that keeps moving is waited for, up
+      to ``allreduce_timeout``; see ``AllreduceConfig.next_chunk_timeout``). A round that leaves anyone
+      out still succeeds, says so in ``last_round.missing`` / ``last_round.complete`` and logs a WARNING
     :param compression: the codec for all-reduce traffic (ours, or a hivemind codec object)
     :param state_compression: the codec for state downloads
     :param tensor_infos: CompressionInfo per tensor (keys and roles for adaptive codecs)
@@ -113,17 +133,26 @@ class DecentralizedAverager:
       minimize the round's predicted time (a slow peer gets a smaller part, or none). ``None`` (the
       default): the throughput this peer measured in its recent rounds (:attr:`throughput`), or,
       before its first round large enough to measure, the group's mean. A group where every peer
-      passes it may use any common unit, as in hivemind
+      passes it may use any common unit, as in hivemind. Bandwidths within a factor 2 of the
+      group's median count as equal (measurements are that noisy), see ``allreduce/partition.py``
     :param auxiliary: help reduce without contributing tensors
     :param allow_state_sharing: serve state to newcomers (default: unless client mode or auxiliary)
     :param client_mode: accept no incoming connections (default: the DHT's mode)
     :param shutdown_timeout: how long shutdown waits for background work
-    :param direct_data_path: opt-in, default off. An IP address (e.g. ``"127.0.0.1"``) on which
-      this peer also accepts all-reduce streams over plain TCP, and a request to send its own
-      all-reduce streams that way to peers that offer it, falling back to libp2p otherwise. The
-      TCP path is authenticated through the libp2p identities (one-time tokens handed out over
-      libp2p) but NOT encrypted: use it only on loopback or a trusted network. It saves the
-      daemons' encryption and copies, which dominate the CPU cost of large rounds on fast links.
+    :param direct_data_path: on by default (``True``): all-reduce streams and state downloads go
+      over direct TLS 1.3 connections between peers that can reach each other, with both sides'
+      certificates pinned through their libp2p identities (see ``hivemind_ext.p2p.direct_tls``),
+      and over libp2p for every pair where no direct connection can be made (client mode, NAT, a
+      firewall); ``last_round.transports`` says which pair used which. It saves the daemons' copies,
+      which dominate the CPU cost of large rounds on fast links. ``True`` listens on the address of
+      the DHT's ``host_maddrs`` and offers its ``announce_maddrs`` (see
+      ``hivemind_ext.p2p.direct_address``); an IP address string listens there; a ``DirectConfig``
+      sets everything; ``False`` or ``None`` turns it off (libp2p only). A client-mode peer listens
+      on nothing but still dials others directly.
+    :param direct_plaintext: explicit opt-in to plain TCP on the direct path, for loopback or
+      trusted networks only: this peer serves plaintext and also uses peers that serve plaintext
+      (still authenticated through libp2p, but anyone on the path can read and alter the data).
+      Peers without it reach this one over libp2p.
     :param fingerprint: the run's fingerprint digest: matchmaking groups this peer only with peers
       that declare the same one (or none); see ``MatchmakingConfig.fingerprint``
     :param require_agreement: download a state only if several donors serve it bitwise identical
@@ -131,7 +160,7 @@ class DecentralizedAverager:
     :param reject_non_finite_state: a downloaded chunk holding NaN or Inf bans its donor (see
       ``StateSharingConfig.reject_non_finite``)
     :param aggregator: how the owner of each part combines the group's contributions: None (the
-      weighted mean), or a robust one: ``CenteredClip(tau=..., iterations=...)``,
+      weighted mean), or a robust one: ``CenteredClip()`` (radius from each part's spread) or ``CenteredClip(tau=...)``,
       ``TrimmedMean(trim=...)`` (from ``hivemind_ext.averaging``); every member of a group should
       use the same. From an Optimizer: ``averager_opts=dict(aggregator=...)``
     :param norm_bound: a contribution whose norm on a part exceeds this many times the median of
@@ -168,7 +197,8 @@ class DecentralizedAverager:
         client_mode: bool | None = None,
         daemon: bool = True,
         shutdown_timeout: float = 5,
-        direct_data_path: str | None = None,
+        direct_data_path: bool | str | DirectConfig | None = True,
+        direct_plaintext: bool = False,
         fingerprint: str = "",
         require_agreement: bool = False,
         reject_non_finite_state: bool = False,
@@ -193,8 +223,8 @@ class DecentralizedAverager:
         self.dht, self.prefix = dht, prefix
         self.client_mode, self.auxiliary = client_mode, auxiliary
         self.averaging_alpha, self.shutdown_timeout = float(averaging_alpha), shutdown_timeout
-        # validated here (constructing the config checks the address), used in _start_services
-        self._direct_config = DirectConfig(host=direct_data_path) if direct_data_path is not None else None
+        # validated here (constructing a config checks the address); the address of ``True`` is chosen at start
+        self._direct = DirectSettings.of(direct_data_path, plaintext=direct_plaintext)
         self.compression: Codec = as_codec(compression if compression is not None else NoCompression())
         self.state_compression: Codec = as_codec(
             state_compression if state_compression is not None else NoCompression()
@@ -349,9 +379,12 @@ class DecentralizedAverager:
         p2p = await runtime.start_network()
         namespace = f"averager.{self.prefix}"
         self._server = runtime.server.scope(namespace)
-        if self._direct_config is not None and not self.client_mode:  # a client-mode peer accepts nothing
-            await self._server.enable_direct(self._direct_config)
-        client = RPCClient(p2p, namespace, prefer_direct=self._direct_config is not None)
+        direct_server = None
+        if not self.client_mode:  # a client-mode peer accepts nothing
+            direct_server = await self._direct.server_config(self.dht, p2p)
+        if direct_server is not None:
+            await self._server.enable_direct(direct_server)
+        client = RPCClient(p2p, namespace, prefer_direct=self._direct.enabled, direct_config=self._direct.client_config)
         self._service = AllreduceService(self._server, client, peer_id=p2p.peer_id)
         self._service.on_early_stream = self._on_early_stream
         await self._service.start()
@@ -370,7 +403,13 @@ class DecentralizedAverager:
         with contextlib.suppress(MatchmakingError):  # the first search sets signing up then
             await self._matchmaker.prepare(timeout=max(SIGNING_SETUP_TIMEOUT, self.matchmaking_config.request_timeout))
         self._looking = asyncio.Lock()  # concurrent steps look for groups one after another
-        self._loader = StateLoader(self.state_sharing_config, dht=self.dht, p2p=p2p, dht_calls=dht_calls)
+        self._loader = StateLoader(
+            self.state_sharing_config,
+            dht=self.dht,
+            p2p=p2p,
+            dht_calls=dht_calls,
+            direct=self._direct.client_config if self._direct.enabled else None,
+        )
         if not self.client_mode:  # a client-mode peer can never serve: it accepts no connections
             self._donor = StateDonor(
                 self.state_sharing_config,
@@ -381,6 +420,7 @@ class DecentralizedAverager:
                 get_state=self.get_current_state,
                 version=self._state_sharing_priority,
                 state_lock=self._lock,  # the donor copies what get_current_state returns under get_tensors()'s lock
+                direct=self._direct.for_second_listener(direct_server),
             )
             self._donor.allow_state_sharing = self._allow_state_sharing
             await self._donor.start()
@@ -631,7 +671,7 @@ class DecentralizedAverager:
                 for buffer, tensor in zip(buffers[0], self._averaged_tensors, strict=True):
                     buffer.copy_(tensor.detach())
         start_values, outputs = buffers
-        started = get_dht_time()
+        started, opened_after = get_dht_time(), loop_now()
         try:
             result: AllreduceResult = await self._service.run_round(
                 group,
@@ -668,16 +708,40 @@ class DecentralizedAverager:
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
             seconds=get_dht_time() - started,
+            missing={str(peer): reason for peer, reason in result.missing.items()},
             part_sizes={str(part.owner): part.end - part.start for part in result.parts},
             receive_rate=result.receive_rate,
+            **self._transports_since(opened_after),
         )
         self.throughput.update(result.receive_rate)
         control.report = self.last_round
+        if not self.last_round.complete and not self.auxiliary:
+            missing = "; ".join(f"{peer}: {reason}" for peer, reason in sorted(self.last_round.missing.items()))
+            logger.warning(
+                f"{self.prefix}: the round of {group.size} peers is NOT the mean over the whole group: "
+                f"{len(self.last_round.missing)} peer(s) missing from some part ({missing})"
+            )
         if self._runtime is not None:
             round_stats_of(self._runtime).record_allreduce(
                 seconds=self.last_round.seconds, bytes_sent=result.bytes_sent, bytes_received=result.bytes_received
             )
         return result.gathered
+
+    def _transports_since(self, moment: float) -> dict[str, dict[str, str]]:
+        """Which path this peer's streams of the round took, per groupmate, and why direct ones failed."""
+        client = self.rpc_client
+        if client is None:
+            return {}
+        transports = client.transports_since(moment)
+        failures = {}
+        for peer, transport in transports.items():
+            failure = client.direct.last_failure(peer) if client.direct is not None else None
+            if transport == "libp2p" and failure is not None:
+                failures[str(peer)] = f"{type(failure).__name__}: {failure}"
+        return {
+            "transports": {str(peer): transport for peer, transport in transports.items()},
+            "direct_failures": failures,
+        }
 
     def _record_result(self, ok: bool) -> None:
         """Counts one finished step in the peer's :func:`~hivemind_ext.averaging.round_stats.round_stats_of`."""

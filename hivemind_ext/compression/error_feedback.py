@@ -23,6 +23,7 @@ from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import CompressionError, ConfigurationError
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+Snapshot = dict[tuple[Hashable, Hashable], tuple[torch.Tensor, torch.dtype]]  # ErrorFeedback.snapshot()
 
 
 @dataclasses.dataclass
@@ -43,7 +44,9 @@ class ErrorFeedback(CodecWrapper):
     tensor and each part uses its own slice of it, so residuals stay with their values when the parts
     are cut differently from one round to the next (an all-reduce's part sizes follow the members'
     bandwidths); the average an all-reduce owner sends back (``info.aggregate``) has a residual of its
-    own. Otherwise residuals are kept per ``(info.key, info.part_index)``.
+    own. Otherwise residuals are kept per ``(info.key, info.part_index)``. Memory, in an all-reduce: one
+    float32 copy of each tensor for this peer's contributions, and one more once it has owned a part
+    (the residual of its averages), allocated on first use.
     Compressing without ``info`` uses the key None: all such tensors share one residual, which suits
     one tensor compressed repeatedly; pass ``CompressionInfo(key=...)`` to keep several apart.
     If the shape, dtype or device of a key's tensor changes, its residual is dropped with a warning.
@@ -196,16 +199,41 @@ class ErrorFeedback(CodecWrapper):
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return self.codec.estimate_compression_ratio(info)
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickles the codec and a snapshot of the residuals (locks are not picklable, and not shared)."""
+    def snapshot(self) -> Snapshot:
+        """Copies of all residuals, for :meth:`restore`.
+
+        For algorithms that send the same values again after a round failed: DiLoCo retries with
+        ``anchor - params``, which still holds the failed round's pseudo-gradient. Compressing it on top of
+        the residuals that round left behind would count the part of it the failed messages "sent" twice
+        (for a sparse codec, nearly all of it); restoring the snapshot taken before the round avoids that.
+        """
+        return self._residuals(copy=True)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Puts back the residuals of a :meth:`snapshot` (copied); residuals made since are dropped.
+        Call it while no compression with this instance is in flight."""
+        with self._lock:
+            for key in snapshot.keys() - self._slots.keys():
+                self._slots[key] = _Slot()
+            slots = list(self._slots.items())
+        for key, slot in slots:
+            with slot.lock:
+                residual, dtype = snapshot.get(key, (None, None))
+                slot.residual, slot.dtype = (None if residual is None else residual.clone()), dtype
+
+    def _residuals(self, *, copy: bool) -> Snapshot:
         with self._lock:
             slots = list(self._slots.items())
         residuals = {}
         for key, slot in slots:
             with slot.lock:
                 if slot.residual is not None:
-                    residuals[key] = (slot.residual, slot.dtype)
-        return {"codec": self.codec, "residuals": residuals}
+                    residuals[key] = (slot.residual.clone() if copy else slot.residual, slot.dtype)
+        return residuals
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles the codec and a snapshot of the residuals (locks are not picklable, and not shared)."""
+        return {"codec": self.codec, "residuals": self._residuals(copy=False)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.codec = state["codec"]

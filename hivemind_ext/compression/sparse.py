@@ -126,7 +126,10 @@ class SparseTopK(Codec):
     tensor, so they survive part sizes changing between rounds (parts follow measured bandwidth): a
     member's unsent values wait for its next slice that covers them, an owner's dropped average for its
     next part that does. The owner's own slice enters its part uncompressed. Every member decodes the
-    same result messages, so all members still end with identical values.
+    same result messages, so all members still end with identical values. Use it with the weighted
+    mean: robust aggregators compare contributions value by value (TrimmedMean would trim the few
+    nonzero values of each coordinate toward zero) or as vectors (CenteredClip would see the owner's
+    dense slice far from the sparse ones).
 
     Decoding validates everything before use: parameters, payload size, finite ``0 <= lo <= hi`` (and
     ``hi`` within the range of the tensor's dtype), indices inside their chunk and strictly increasing

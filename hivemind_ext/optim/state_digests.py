@@ -3,7 +3,7 @@
 In synchronous training every peer of a group applies the same averaged gradients to the same
 parameters, so their states (parameters, optimizer state, epoch, learning rates) are bitwise
 identical after each epoch. Each peer publishes the SHA-256 of its state after each epoch under
-``<prefix>.state_digest.<epoch>`` (one subkey per peer, a 32-byte value, expiring after
+``<prefix>.state_digest.<epoch>`` (one signed subkey per peer, a 32-byte value, expiring after
 ``expiration`` seconds). At its next epoch it reads the digests of the previous one: if a majority
 of the peers that published (at least 2, more than half) agree on a digest other than its own, its
 state silently diverged (a split round, a bad download, a bit flip) and it resyncs: it downloads
@@ -15,17 +15,23 @@ costs too), then hashing and one DHT store and get in a worker thread, off the t
 Measured on a loaded 2-core CPU host (Adam, so the state is 3x the parameters): 1M parameters
 (12 MB) copy 14 ms, SHA-256 42 ms; 10M parameters (120 MB) copy 226 ms, SHA-256 135 ms (best of 5).
 Only synchronous training publishes (see :mod:`.state_trust`).
-Records are not signed (like donor records): a hostile peer can publish digests, but a majority
-needs at least 2 agreeing subkeys and more than half of those published, and the worst a fake
-majority can do is make a peer download the state (which is itself checked) once per epoch.
+
+Records are signed (:mod:`hivemind_ext.p2p.signing`): the subkey is ``digest@<peer id>[owner:<public
+key>]``, so nobody can write or overwrite another peer's digest, DHT nodes refuse unsigned entries
+under the key, and readers bind each peer id to one key (:class:`~hivemind_ext.p2p.signing.OwnerBook`)
+and count one vote per key, however many peer ids it claims. What a hostile peer can still do: vote
+with keys of its own. A fake majority needs at least 2 agreeing keys and more than half of the
+votes, so Sybil keys that outnumber the honest peers can make them resync; the worst that does is
+one state download per epoch, and the download is itself checked (donor agreement and the range
+checks of :mod:`.state_checks`), so no state is adopted on the word of the digests alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,14 +41,24 @@ import msgpack
 import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from hivemind_ext.optim.training_state import SCALAR_MARK
+from hivemind_ext.p2p.dht_calls import DHTCalls
+from hivemind_ext.p2p.signing import (
+    OwnerBook,
+    believed_records,
+    default_signing_key,
+    install_signing,
+    owner_marker,
+    signed_subkey,
+)
 
 logger = logging.getLogger(__name__)
 
 DIGEST_BYTES = 32
 MAX_RECORDS = 4096  # digests read for one epoch at most (more subkeys than that is a flood)
-_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")
+DIGEST_TAG = "digest"
 
 StateTaker = Callable[[], tuple[Any, Sequence[torch.Tensor]]]
 
@@ -74,17 +90,26 @@ def majority_digest(digests: Mapping[str, bytes]) -> bytes | None:
     return best if count >= 2 and 2 * count > len(digests) else None
 
 
-def parse_digests(entries: Any) -> dict[str, bytes]:
-    """``peer -> digest`` from what ``dht.get(key, latest=True)`` returned, skipping malformed entries."""
+def digest_subkey(peer_id: str, owner: bytes) -> bytes:
+    """The signed subkey of a peer's digest record (``owner``: its key's ``[owner:...]`` marker)."""
+    return signed_subkey(DIGEST_TAG, peer_id, owner)
+
+
+def parse_digests(entries: Any, book: OwnerBook, now: float) -> dict[str, bytes]:
+    """``peer -> digest`` from what ``dht.get(key, latest=True)`` returned: one vote per owner key
+    (:func:`~hivemind_ext.p2p.signing.believed_records`); unsigned, expired, malformed or untrusted
+    entries are skipped and counted in ``book.rejected``."""
     value = getattr(entries, "value", None)
     if not isinstance(value, dict):
         return {}
-    found: dict[str, bytes] = {}
-    for subkey, item in list(value.items())[:MAX_RECORDS]:
-        digest = getattr(item, "value", None)
-        if isinstance(subkey, str) and _PEER_ID.fullmatch(subkey) and isinstance(digest, bytes):
-            if len(digest) == DIGEST_BYTES:
-                found[subkey] = digest
+    items = list(value.items())[:MAX_RECORDS]
+    entries = [(subkey, getattr(item, "value", None), getattr(item, "expiration_time", None)) for subkey, item in items]
+    found = {}
+    for peer_id, digest in believed_records(entries, DIGEST_TAG, book, now).items():
+        if isinstance(digest, bytes) and len(digest) == DIGEST_BYTES:
+            found[peer_id] = digest
+        else:
+            book.rejected += 1
     return found
 
 
@@ -107,6 +132,8 @@ class DigestBoard:
     :param take_state: returns a copy of the training state (``TrainingState.snapshot`` under the lock)
     :param on_diverged: called (in the board's thread) with the epoch whose majority this peer's
       digest differed from; the Optimizer requests a resync
+    :param signing_key: the RSA key the DHT signs this peer's records with (default: this DHT's, see
+      :func:`~hivemind_ext.p2p.signing.default_signing_key`)
     """
 
     def __init__(
@@ -119,8 +146,13 @@ class DigestBoard:
         on_diverged: Callable[[int], Any],
         expiration: float = 600.0,
         timeout: float = 10.0,
+        signing_key: RSAPrivateKey | None = None,
     ) -> None:
         self.dht, self.prefix, self.peer_id = dht, prefix, peer_id
+        self._signing_key = signing_key if signing_key is not None else default_signing_key(dht)
+        self._owner = owner_marker(self._signing_key)
+        self._protected: set[int] = set()  # epochs whose key this DHT was told to refuse unsigned entries under
+        self.book = OwnerBook(own=(peer_id, self._owner))  # counts the records it rejected
         self.take_state, self.on_diverged = take_state, on_diverged
         self.expiration, self.timeout = expiration, timeout
         self._own: dict[int, bytes] = {}  # epoch -> this peer's digest (the last few epochs)
@@ -168,11 +200,12 @@ class DigestBoard:
                 del self._own[old]
             previous = self._own.get(epoch - 1)
         try:
+            self._protect(epoch)
             future = self.dht.store(
                 digest_key(self.prefix, epoch),
                 digest,
                 get_dht_time() + self.expiration,
-                subkey=self.peer_id,
+                subkey=digest_subkey(self.peer_id, self._owner),
                 return_future=True,
             )
             if future.result(self.timeout):
@@ -195,5 +228,23 @@ class DigestBoard:
             self.on_diverged(epoch)
 
     def _read(self, epoch: int) -> dict[str, bytes]:
+        self._protect(epoch)  # a reader's DHT node needs the signature validator to strip signatures
         future = self.dht.get(digest_key(self.prefix, epoch), latest=True, return_future=True)
-        return parse_digests(future.result(self.timeout))
+        with self._lock:
+            return parse_digests(future.result(self.timeout), self.book, get_dht_time())
+
+    def _protect(self, epoch: int) -> None:
+        """Makes this DHT sign with this peer's key and refuse unsigned entries under the key of
+        ``epoch`` (once per epoch: the key changes every epoch; one call into the DHT process)."""
+        if epoch in self._protected:
+            return
+        install = install_signing(
+            DHTCalls(self.dht),
+            self._signing_key,
+            protected_keys=(digest_key(self.prefix, epoch),),
+            timeout=self.timeout,
+        )
+        asyncio.run(install)
+        self._protected.add(epoch)
+        for old in [e for e in self._protected if e < epoch - 2]:
+            self._protected.discard(old)

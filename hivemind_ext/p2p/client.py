@@ -14,14 +14,16 @@ Any failure raises a typed error (see ``hivemind_ext.errors``); an ERROR frame f
 becomes the exception its kind names (``RemoteError`` for a handler exception). A failed,
 cancelled or timed-out operation closes the stream: it cannot be resumed mid-frame.
 
-With ``prefer_direct=True`` a call first tries the peer's direct data path (plain TCP, see
-:mod:`~hivemind_ext.p2p.direct_wire`; authenticated but **not encrypted**, so for loopback or
-trusted networks only) and falls back to libp2p whenever that path is unavailable.
+With ``prefer_direct=True`` a call first tries the peer's direct data path (TLS 1.3 with both
+certificates pinned through libp2p, see :mod:`~hivemind_ext.p2p.direct_wire`) and falls back to
+libp2p whenever that path is unavailable; :meth:`RPCClient.transports_since` tells which path the
+calls to each peer took.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
@@ -36,9 +38,9 @@ from hivemind_ext.errors import (
     PeerUnreachableError,
     ProtocolError,
 )
-from hivemind_ext.p2p.deadlines import remaining, resolve_deadline, wait_until
+from hivemind_ext.p2p.deadlines import now, remaining, resolve_deadline, wait_until
 from hivemind_ext.p2p.direct_client import DirectClientConfig, DirectConnector
-from hivemind_ext.p2p.direct_wire import TICKET_HANDLER
+from hivemind_ext.p2p.direct_wire import TICKET_HANDLER, Transport
 from hivemind_ext.p2p.framing import Frame, FrameKind, encode_frame_head, open_header, protocol_name
 from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.stream import FramedStream
@@ -46,6 +48,7 @@ from hivemind_ext.p2p.tasks import TaskOwner
 from hivemind_ext.p2p.wire_errors import exception_from_error_header
 
 DEFAULT_TIMEOUT = 30.0
+MAX_TRANSPORT_RECORDS = 1024  # peers whose latest transport is remembered (see RPCClient.transports_since)
 # After a write fails because the server closed the stream, how long to look for the ERROR frame
 # that probably explains why (e.g. "request too large"), before reporting the broken stream.
 ERROR_FRAME_GRACE_SECONDS = 1.0
@@ -56,9 +59,9 @@ class RPCClient:
 
     :param limits: default largest message this client sends or accepts (per call: ``limits=``)
     :param default_timeout: applies to calls that pass neither ``timeout`` nor ``deadline``
-    :param prefer_direct: open calls over the server's direct TCP path where it offers one (see
-      ``RPCServer.enable_direct``), falling back to libp2p; unencrypted, so off by default
-    :param direct_config: timeouts and caching of the direct path (with ``prefer_direct``)
+    :param prefer_direct: open calls over the server's direct path where it offers one (see
+      ``RPCServer.enable_direct``), falling back to libp2p
+    :param direct_config: timeouts, caching and plaintext policy of the direct path (with ``prefer_direct``)
     """
 
     def __init__(
@@ -80,6 +83,13 @@ class RPCClient:
         if not isinstance(prefer_direct, bool):
             raise ConfigurationError(f"prefer_direct must be a bool, got {prefer_direct!r}")
         self.direct = DirectConnector(self._call_for_ticket, direct_config) if prefer_direct else None
+        # peer -> (loop time, transport) of the latest call opened to it; bounded like the connector's peers
+        self._transports: collections.OrderedDict[PeerID, tuple[float, Transport]] = collections.OrderedDict()
+
+    def transports_since(self, moment: float) -> dict[PeerID, Transport]:
+        """Which path the latest call to each peer took ("direct", "direct-plaintext" or "libp2p"),
+        for the peers called at or after ``moment`` (the event loop's clock, see ``deadlines.now``)."""
+        return {peer: transport for peer, (opened, transport) in self._transports.items() if opened >= moment}
 
     async def call(
         self,
@@ -159,14 +169,24 @@ class RPCClient:
             yield call
 
     async def _open(self, peer_id: PeerID, name: str, deadline: float, limits: Limits) -> FramedStream:
-        connection = None
+        direct = None
         if self.direct is not None and name != TICKET_HANDLER:
-            connection = await self.direct.connect(peer_id, name, deadline)
-        if connection is None:
-            connection = await self._open_libp2p(peer_id, name, deadline)
+            direct = await self.direct.connect(peer_id, name, deadline)
+        if direct is None:
+            connection, transport = await self._open_libp2p(peer_id, name, deadline), "libp2p"
+        else:
+            connection, transport = direct
+        if name != TICKET_HANDLER:
+            self._record_transport(peer_id, transport)
         stream = FramedStream(*connection, limits)
         stream.send_nowait(FrameKind.OPEN, open_header(max(remaining(deadline), 1e-3)))
         return stream
+
+    def _record_transport(self, peer_id: PeerID, transport: Transport) -> None:
+        self._transports[peer_id] = (now(), transport)
+        self._transports.move_to_end(peer_id)
+        while len(self._transports) > MAX_TRANSPORT_RECORDS:
+            self._transports.popitem(last=False)
 
     async def _call_for_ticket(self, peer_id: PeerID, request: Message, deadline: float) -> Message:
         return await self.call(peer_id, TICKET_HANDLER, request, deadline=deadline, limits=Limits())
@@ -217,23 +237,39 @@ class ClientStream:
         if abort:
             self._stream.abort()
 
-    async def send(self, message: Message, *, timeout: float | None = None, deadline: float | None = None) -> None:
-        """Sends one request (its payload is written from the caller's memory: don't modify it meanwhile)."""
+    async def send(
+        self,
+        message: Message,
+        *,
+        timeout: float | None = None,
+        deadline: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> None:
+        """Sends one request (its payload is written from the caller's memory: don't modify it meanwhile).
+
+        ``idle_timeout``: the send also fails (StalledWriteError, a DeadlineExceededError) once the
+        peer has taken none of its bytes for this long, however far the deadline is: a large message
+        on a slow link may take long, as long as it keeps moving."""
         if self._ended_requests:
             raise ClosedError(f"stream {self.name}@{self.peer_id}: send() after end()")
-        await self._send(FrameKind.MESSAGE, message.header, message.payload_view(), self._deadline(timeout, deadline))
+        payload, deadline = message.payload_view(), self._deadline(timeout, deadline)
+        await self._send(FrameKind.MESSAGE, message.header, payload, deadline, idle_timeout)
 
-    async def end(self, *, timeout: float | None = None, deadline: float | None = None) -> None:
+    async def end(
+        self, *, timeout: float | None = None, deadline: float | None = None, idle_timeout: float | None = None
+    ) -> None:
         """Tells the server that no more requests follow (responses may still arrive)."""
         if self._ended_requests:
             return
-        await self._send(FrameKind.END, {}, memoryview(b""), self._deadline(timeout, deadline))
+        await self._send(FrameKind.END, {}, memoryview(b""), self._deadline(timeout, deadline), idle_timeout)
         self._ended_requests = True
 
-    async def _send(self, kind: FrameKind, header: Any, payload: memoryview, deadline: float) -> None:
+    async def _send(
+        self, kind: FrameKind, header: Any, payload: memoryview, deadline: float, idle_timeout: float | None
+    ) -> None:
         self._check_usable()
         try:
-            await self._stream.send(kind, header, payload, deadline)
+            await self._stream.send(kind, header, payload, deadline, idle_timeout)
         except ProtocolError:
             raise  # raised before the first byte was written (invalid or oversized): the stream is intact
         except PeerUnreachableError as e:
@@ -243,12 +279,17 @@ class ClientStream:
             self._fail(e)
             raise
 
-    async def receive(self, *, timeout: float | None = None, deadline: float | None = None) -> Message | None:
-        """The next response, or ``None`` once the server has ended the stream."""
+    async def receive(
+        self, *, timeout: float | None = None, deadline: float | None = None, idle_timeout: float | None = None
+    ) -> Message | None:
+        """The next response, or ``None`` once the server has ended the stream.
+
+        ``idle_timeout``: also fails (IdleStreamError, a ProtocolError) once no byte of the response
+        has arrived for this long, however far the deadline is (see ``framing.read_frame``)."""
         if self._ended_responses:
             return None
         try:
-            frame = await self._stream.receive(self._deadline(timeout, deadline))
+            frame = await self._stream.receive(self._deadline(timeout, deadline), idle_timeout)
         except BaseException as e:
             if self._failure is not None and not isinstance(e, asyncio.CancelledError | DeadlineExceededError):
                 raise self._failure from None  # the sending side failed first; that is the real cause

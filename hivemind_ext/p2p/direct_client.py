@@ -1,10 +1,13 @@
-"""The caller's half of the opt-in direct data path: tickets per peer, TCP connect and hello.
+"""The caller's half of the direct data path: tickets per peer, TLS (or TCP) connect and hello.
 
-See :mod:`~hivemind_ext.p2p.direct_wire` for the protocol. :meth:`DirectConnector.connect` either
-returns a TCP connection whose hello the server accepted, or None: it never raises for a failed
-attempt (no ticket handler, refused, unreachable, timed out, rejected), so that the caller falls
-back to libp2p transparently. A peer whose direct path failed is not tried again for
-``retry_after`` seconds, so a peer without it costs one failed attempt, not one per call.
+See :mod:`~hivemind_ext.p2p.direct_wire` for the protocol and :mod:`~hivemind_ext.p2p.direct_tls`
+for the encryption. :meth:`DirectConnector.connect` either returns a connection whose hello the
+server accepted, or None: it never raises for a failed attempt (no ticket handler, refused,
+unreachable, timed out, a certificate other than the pinned one, rejected), so that the caller
+falls back to libp2p transparently; the typed error of the last failure per peer is kept
+(:meth:`DirectConnector.last_failure`) and logged at debug level. A peer whose direct path failed is
+not tried again for ``retry_after`` seconds, so a peer without it costs one failed attempt, not one
+per call.
 
 Tickets are fetched ``tokens_per_ticket`` at a time (one libp2p round trip serves that many
 connections) and used until shortly before they expire.
@@ -17,15 +20,31 @@ import collections
 import dataclasses
 import logging
 import math
+import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import PeerID
 
-from hivemind_ext.errors import ConfigurationError, HivemindExtError
+from hivemind_ext.errors import (
+    AuthenticationError,
+    ConfigurationError,
+    HivemindExtError,
+    PeerUnreachableError,
+    ProtocolError,
+)
 from hivemind_ext.p2p.deadlines import check_durations, now, wait_until
-from hivemind_ext.p2p.direct_transport import DirectStream, open_direct_connection
-from hivemind_ext.p2p.direct_wire import ACCEPTED, MAX_TOKENS_PER_TICKET, encode_hello, parse_ticket_response
+from hivemind_ext.p2p.direct_tls import DirectIdentity, check_pinned, client_context, fingerprint, sni_name
+from hivemind_ext.p2p.direct_transport import DirectStream, connect_tcp, start_client_session
+from hivemind_ext.p2p.direct_wire import (
+    ACCEPTED,
+    MAX_TOKENS_PER_TICKET,
+    Transport,
+    encode_hello,
+    parse_ticket_response,
+    ticket_request,
+)
 from hivemind_ext.p2p.messages import Message
 
 logger = logging.getLogger(__name__)
@@ -39,10 +58,12 @@ class DirectClientConfig:
     """How a caller uses the direct data path.
 
     :param ticket_timeout: the ticket call over libp2p gives up after this long
-    :param connect_timeout: TCP connect plus hello and its acknowledgement give up after this long
+    :param connect_timeout: TCP connect, TLS handshake, hello and its acknowledgement give up after this long
     :param retry_after: after a failure, the peer is reached over libp2p only for this long
     :param tokens_per_ticket: tokens fetched per ticket call
     :param max_peers: peers whose tickets are remembered (least recently used are forgotten)
+    :param allow_plaintext: also use servers that offer a plaintext direct path (their data
+      crosses the network unencrypted); off by default: such servers are reached over libp2p
     """
 
     ticket_timeout: float = 5.0
@@ -50,6 +71,7 @@ class DirectClientConfig:
     retry_after: float = 60.0
     tokens_per_ticket: int = 8
     max_peers: int = 1024
+    allow_plaintext: bool = False
 
     def __post_init__(self) -> None:
         check_durations(self, "ticket_timeout", "connect_timeout", "retry_after")
@@ -57,14 +79,19 @@ class DirectClientConfig:
             raise ConfigurationError(f"tokens_per_ticket must be an int in 1..{MAX_TOKENS_PER_TICKET}")
         if type(self.max_peers) is not int or self.max_peers < 1:
             raise ConfigurationError(f"max_peers must be a positive int, got {self.max_peers!r}")
+        if not isinstance(self.allow_plaintext, bool):
+            raise ConfigurationError(f"allow_plaintext must be a bool, got {self.allow_plaintext!r}")
 
 
 @dataclasses.dataclass
 class _PeerTickets:
     host: str = ""
     port: int = 0
+    tls: ssl.SSLContext | None = None  # pins the server's certificate; None: the server speaks plaintext
+    server_fingerprint: bytes = b""
     tokens: collections.deque[tuple[bytes, float]] = dataclasses.field(default_factory=collections.deque)
     failed_until: float = -math.inf  # time.monotonic(), like the token expiry times
+    last_failure: HivemindExtError | None = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
@@ -74,10 +101,17 @@ Connection = tuple[DirectStream, asyncio.StreamWriter]
 
 
 class DirectConnector:
-    """Opens direct TCP connections to peers' handlers, with tickets fetched through ``ticket_call``."""
+    """Opens direct connections to peers' handlers, with tickets fetched through ``ticket_call``.
 
-    def __init__(self, ticket_call: TicketCall, config: DirectClientConfig | None = None) -> None:
+    :param identity: this caller's TLS certificate (default: a fresh one), sent with every ticket
+      request so that servers accept it, and only it, for this caller's libp2p identity
+    """
+
+    def __init__(
+        self, ticket_call: TicketCall, config: DirectClientConfig | None = None, identity: DirectIdentity | None = None
+    ) -> None:
         self.config = config if config is not None else DirectClientConfig()
+        self.identity = identity if identity is not None else DirectIdentity.generate()
         self._ticket_call = ticket_call
         self._peers: collections.OrderedDict[PeerID, _PeerTickets] = collections.OrderedDict()
 
@@ -86,20 +120,30 @@ class DirectConnector:
         state = self._peers.get(peer_id)
         return state is not None and time.monotonic() < state.failed_until
 
-    async def connect(self, peer_id: PeerID, handler: str, deadline: float) -> Connection | None:
-        """A connection to ``handler`` on ``peer_id`` whose hello was accepted, or None (use libp2p)."""
+    def last_failure(self, peer_id: PeerID) -> HivemindExtError | None:
+        """Why the last direct attempt to ``peer_id`` failed (a typed error), or None."""
+        state = self._peers.get(peer_id)
+        return state.last_failure if state is not None else None
+
+    async def connect(self, peer_id: PeerID, handler: str, deadline: float) -> tuple[Connection, Transport] | None:
+        """A connection to ``handler`` on ``peer_id`` whose hello was accepted, and which path it is;
+        or None (use libp2p)."""
         state = self._state(peer_id)
         if time.monotonic() < state.failed_until:
             return None
         try:
             token = await self._take_token(peer_id, state, deadline)
-            return await wait_until(
-                self._open(state.host, state.port, token, handler),
+            connection = await wait_until(
+                self._open(state, token, handler),
                 min(deadline, now() + self.config.connect_timeout),
                 f"direct connection to {peer_id}",
             )
+            state.last_failure = None
+            return connection, "direct" if state.tls is not None else "direct-plaintext"
         except (HivemindExtError, ConnectionError, OSError) as e:
-            logger.debug(f"direct path to {peer_id} failed, using libp2p: {type(e).__name__}: {e}")
+            error = e if isinstance(e, HivemindExtError) else _typed(e)
+            logger.debug(f"direct path to {peer_id} failed, using libp2p: {type(error).__name__}: {error}")
+            state.last_failure = error
             state.tokens.clear()  # a rejected token may mean the server restarted: its other tokens are void too
             state.failed_until = time.monotonic() + self.config.retry_after
             return None
@@ -120,27 +164,46 @@ class DirectConnector:
                 state.tokens.popleft()
             if not state.tokens:
                 asked_at = time.monotonic()
-                request = Message({"count": self.config.tokens_per_ticket})
+                request = Message(ticket_request(self.config.tokens_per_ticket, self.identity.cert_der))
                 response = await self._ticket_call(peer_id, request, min(deadline, now() + self.config.ticket_timeout))
-                host, port, ttl, tokens = parse_ticket_response(response.header)
-                expires_at = asked_at + ttl - TOKEN_EXPIRY_MARGIN
-                state.host, state.port = host, port
-                state.tokens.extend((token, expires_at) for token in tokens)
+                ticket = parse_ticket_response(response.header)
+                if ticket.cert is None and not self.config.allow_plaintext:
+                    raise ProtocolError("the peer offers only a plaintext direct path (allow_plaintext is off)")
+                if ticket.cert is None:
+                    state.tls, state.server_fingerprint = None, b""
+                elif fingerprint(ticket.cert) != state.server_fingerprint:
+                    state.tls = client_context(self.identity, ticket.cert)  # a new server certificate: pin it
+                    state.server_fingerprint = fingerprint(ticket.cert)
+                state.host, state.port = ticket.host, ticket.port
+                state.tokens.extend((token, asked_at + ticket.ttl - TOKEN_EXPIRY_MARGIN) for token in ticket.tokens)
             return state.tokens.popleft()[0]
 
-    @staticmethod
-    async def _open(host: str, port: int, token: bytes, handler: str) -> Connection:
-        reader, writer = await open_direct_connection(host, port)
+    async def _open(self, state: _PeerTickets, token: bytes, handler: str) -> Connection:
+        sock = await connect_tcp(state.host, state.port)  # failing here: the peer is unreachable
+        try:  # past this point the server is reached: a failure is a refusal of this caller (or of the server's cert)
+            return await self._session(sock, state, token, handler)
+        except ssl.SSLCertVerificationError as e:
+            raise AuthenticationError(f"the direct path's server presented an unpinned certificate: {e}") from None
+        except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError) as e:
+            # in TLS 1.3 the server's verdict on our certificate comes after our side of the handshake
+            what = "TLS session" if state.tls is not None else "connection"
+            raise AuthenticationError(f"the server ended the direct {what} before accepting it: {e!r}") from None
+
+    async def _session(self, sock: socket.socket, state: _PeerTickets, token: bytes, handler: str) -> Connection:
+        reader, writer = await start_client_session(sock, tls=state.tls, server_name=sni_name(self.identity.cert_der))
         try:
+            if state.tls is not None:
+                check_pinned(writer.get_extra_info("ssl_object"), state.server_fingerprint)
             writer.write(encode_hello(token, handler))
             answer = await reader.readexactly(1)
-        except asyncio.IncompleteReadError:
-            writer.transport.abort()
-            raise ConnectionRefusedError("the server closed the direct connection during the hello") from None
         except BaseException:
             writer.transport.abort()
             raise
         if answer != ACCEPTED:
             writer.transport.abort()
-            raise ConnectionRefusedError("the server rejected the direct token")
+            raise AuthenticationError("the server rejected the direct token")
         return reader, writer
+
+
+def _typed(error: OSError) -> HivemindExtError:
+    return PeerUnreachableError(f"{type(error).__name__}: {error}")

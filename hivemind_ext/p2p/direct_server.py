@@ -1,12 +1,14 @@
-"""The server's half of the opt-in direct data path: its settings, its tokens, its TCP listener.
+"""The server's half of the direct data path: its settings, its tokens, its TLS/TCP listener.
 
-See :mod:`~hivemind_ext.p2p.direct_wire` for the protocol and why it exists. The direct path is
-**not encrypted**: enable it only where the network between the peers is trusted (loopback, a
-private cluster network). Every call that arrives over TCP is authenticated by a one-time token
-that the caller obtained over libp2p, so a handler sees the same ``ctx.peer_id`` either way.
+See :mod:`~hivemind_ext.p2p.direct_wire` for the protocol and why it exists, and
+:mod:`~hivemind_ext.p2p.direct_tls` for the encryption. By default connections are TLS 1.3 with
+the caller's certificate pinned; ``DirectConfig(plaintext=True)`` serves plain TCP instead (for
+loopback or trusted networks only). Every call that arrives directly is authenticated by a
+one-time token that the caller obtained over libp2p (over TLS, bound to the certificate it sent
+with the ticket request), so a handler sees the same ``ctx.peer_id`` either way.
 
 :class:`TicketBook` is pure bookkeeping (issue, redeem, expire), tested without a network.
-:class:`DirectListener` owns the TCP server socket; the RPC server owns the connections it accepts.
+:class:`DirectListener` owns the server socket; the RPC server owns the connections it accepts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from hivemind.p2p import PeerID
 
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.p2p.deadlines import check_durations
+from hivemind_ext.p2p.direct_tls import DirectIdentity, ServerContexts
 from hivemind_ext.p2p.direct_transport import DirectStream, start_direct_server
 from hivemind_ext.p2p.direct_wire import TOKEN_BYTES
 
@@ -31,28 +34,39 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DirectConfig:
-    """Settings of a server's direct (plain TCP, unencrypted, libp2p-authenticated) data path.
+    """Settings of a server's direct data path (TLS 1.3 by default, authenticated through libp2p).
 
-    :param host: IP address to listen on (e.g. ``"127.0.0.1"``)
+    :param host: IP address to listen on (e.g. ``"127.0.0.1"``, or ``"0.0.0.0"`` for every interface)
     :param port: TCP port to listen on (0: any free port)
     :param advertise_host: the address callers should connect to (default: ``host``; required
       when listening on a wildcard address such as ``0.0.0.0``)
+    :param advertise_port: the port callers should connect to (default: the bound port), e.g. a
+      port forwarded to this one by a NAT router
+    :param plaintext: serve plain TCP instead of TLS: anyone on the path can read and alter the
+      data. An explicit opt-in, for loopback or trusted networks; callers must opt in too
+      (``DirectClientConfig(allow_plaintext=True)``) or they use libp2p
     :param token_ttl: a token not redeemed within this many seconds is forgotten
     :param max_tokens_per_peer: outstanding tokens per caller; issuing more drops its oldest
     :param max_tokens: outstanding tokens in all; issuing more drops the oldest
     :param hello_timeout: a new connection must present its token within this time
     :param max_pending_hellos: connections still in their hello beyond this many are dropped at
-      once, which bounds what a flood of idle connections can cost
+      once, which bounds what a flood of idle connections can cost (a TLS handshake not done
+      within ``hello_timeout`` is dropped too)
+    :param max_tls_contexts: callers' certificates remembered (one TLS context each, a few KiB);
+      beyond this many the least recently issued are forgotten and must ask for a ticket again
     """
 
     host: str
     port: int = 0
     advertise_host: str | None = None
+    advertise_port: int | None = None
+    plaintext: bool = False
     token_ttl: float = 60.0
     max_tokens_per_peer: int = 64
     max_tokens: int = 4096
     hello_timeout: float = 5.0
     max_pending_hellos: int = 64
+    max_tls_contexts: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("host", "advertise_host"):
@@ -67,8 +81,14 @@ class DirectConfig:
             raise ConfigurationError(f"listening on {self.host}: pass advertise_host, the address callers can reach")
         if type(self.port) is not int or not 0 <= self.port <= 65535:
             raise ConfigurationError(f"port must be an int in 0..65535, got {self.port!r}")
+        if self.advertise_port is not None and (
+            type(self.advertise_port) is not int or not 1 <= self.advertise_port <= 65535
+        ):
+            raise ConfigurationError(f"advertise_port must be an int in 1..65535, got {self.advertise_port!r}")
+        if not isinstance(self.plaintext, bool):
+            raise ConfigurationError(f"plaintext must be a bool, got {self.plaintext!r}")
         check_durations(self, "token_ttl", "hello_timeout")
-        for name in ("max_tokens_per_peer", "max_tokens", "max_pending_hellos"):
+        for name in ("max_tokens_per_peer", "max_tokens", "max_pending_hellos", "max_tls_contexts"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
@@ -78,42 +98,54 @@ class DirectConfig:
         return self.advertise_host if self.advertise_host is not None else self.host
 
 
+@dataclasses.dataclass(frozen=True)
+class TicketHolder:
+    """Whom a token was issued to: a libp2p identity and the fingerprint of the TLS certificate it
+    sent with the ticket request (None for a plaintext server)."""
+
+    peer_id: PeerID
+    cert_fingerprint: bytes | None
+
+
 class TicketBook:
-    """One-time tokens, each bound to the libp2p PeerID that asked for it, with an expiry time.
+    """One-time tokens, each bound to the libp2p PeerID (and TLS certificate) that asked for it,
+    with an expiry time.
 
     Times are on whatever monotonic clock the caller passes (the event loop's in practice).
     """
 
     def __init__(self, config: DirectConfig) -> None:
         self.config = config
-        # token -> (peer, expires at); insertion order is issue order, so the oldest come first
-        self._tokens: collections.OrderedDict[bytes, tuple[PeerID, float]] = collections.OrderedDict()
+        # token -> (holder, expires at); insertion order is issue order, so the oldest come first
+        self._tokens: collections.OrderedDict[bytes, tuple[TicketHolder, float]] = collections.OrderedDict()
         self._per_peer: collections.Counter[PeerID] = collections.Counter()
 
     def __len__(self) -> int:
         return len(self._tokens)
 
-    def issue(self, peer_id: PeerID, count: int, now: float) -> list[bytes]:
-        """``count`` fresh tokens for ``peer_id``, valid until ``now + token_ttl``."""
+    def issue(self, peer_id: PeerID, count: int, now: float, cert_fingerprint: bytes | None = None) -> list[bytes]:
+        """``count`` fresh tokens for ``peer_id`` (holding the certificate with that fingerprint),
+        valid until ``now + token_ttl``."""
         self.expire(now)
+        holder = TicketHolder(peer_id, cert_fingerprint)
         tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in range(count)]
         for token in tokens:
             if self._per_peer[peer_id] >= self.config.max_tokens_per_peer:
                 self._drop_oldest_of(peer_id)
             if len(self._tokens) >= self.config.max_tokens:
                 self._forget(next(iter(self._tokens)))
-            self._tokens[token] = (peer_id, now + self.config.token_ttl)
+            self._tokens[token] = (holder, now + self.config.token_ttl)
             self._per_peer[peer_id] += 1
         return tokens
 
-    def redeem(self, token: bytes, now: float) -> PeerID | None:
-        """The peer a valid token was issued to, consuming it; None if unknown, used or expired."""
+    def redeem(self, token: bytes, now: float) -> TicketHolder | None:
+        """Whom a valid token was issued to, consuming it; None if unknown, used or expired."""
         entry = self._tokens.get(token)
         if entry is None:
             return None
         self._forget(token)
-        peer_id, expires_at = entry
-        return peer_id if now < expires_at else None
+        holder, expires_at = entry
+        return holder if now < expires_at else None
 
     def expire(self, now: float) -> None:
         """Forgets every expired token (they expire in issue order, so this stops at the first live one)."""
@@ -124,13 +156,14 @@ class TicketBook:
             self._forget(token)
 
     def _drop_oldest_of(self, peer_id: PeerID) -> None:
-        for token, (owner, _) in self._tokens.items():
-            if owner == peer_id:
+        for token, (holder, _) in self._tokens.items():
+            if holder.peer_id == peer_id:
                 self._forget(token)
                 return
 
     def _forget(self, token: bytes) -> None:
-        peer_id, _ = self._tokens.pop(token)
+        holder, _ = self._tokens.pop(token)
+        peer_id = holder.peer_id
         self._per_peer[peer_id] -= 1
         if self._per_peer[peer_id] <= 0:
             del self._per_peer[peer_id]
@@ -140,16 +173,31 @@ ConnectionCallback = Callable[[DirectStream, asyncio.StreamWriter], Awaitable[No
 
 
 class DirectListener:
-    """A TCP server socket whose connections go to ``on_connection`` (which must own and close them)."""
+    """A server socket whose connections go to ``on_connection`` (which must own and close them):
+    TLS with this server's own certificate, unless the config says plaintext."""
 
     def __init__(self, config: DirectConfig, on_connection: ConnectionCallback) -> None:
         self.config, self._on_connection = config, on_connection
         self._server: asyncio.AbstractServer | None = None
         self.port = 0  # the bound port, once started
+        # one context per caller certificate a ticket was issued for (see direct_tls)
+        self.tls = None if config.plaintext else ServerContexts(DirectIdentity.generate(), config.max_tls_contexts)
+
+    @property
+    def advertised(self) -> tuple[str, int]:
+        """(host, port) that callers connect to."""
+        port = self.config.advertise_port if self.config.advertise_port is not None else self.port
+        return self.config.advertised_host, port
 
     async def start(self) -> None:
         """Binds and listens (the event loop sets TCP_NODELAY on every accepted connection)."""
-        self._server = await start_direct_server(self._on_connection, self.config.host, self.config.port)
+        self._server = await start_direct_server(
+            self._on_connection,
+            self.config.host,
+            self.config.port,
+            tls=self.tls.listening if self.tls is not None else None,
+            handshake_timeout=self.config.hello_timeout,
+        )
         sockets = self._server.sockets
         self.port = int(sockets[0].getsockname()[1]) if sockets else self.config.port
 

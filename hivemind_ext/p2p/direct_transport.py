@@ -1,4 +1,4 @@
-"""A TCP stream for the direct data path that receives payloads straight into their final buffer.
+"""A TCP (or TLS) stream for the direct data path that receives payloads straight into their final buffer.
 
 Why: asyncio's StreamReader copies every received byte three times (the event loop's recv into
 a fresh bytes object, that into the reader's buffer, that into the caller's buffer). Over the
@@ -10,7 +10,8 @@ most ``DEFAULT_LIMIT`` bytes (then reading pauses and the data waits in the kern
 so that little of a large payload that arrives before its reader asks for it takes the extra copies
 through the internal buffer: with 1 MiB of read-ahead, about half of every 2 MiB all-reduce chunk
 did (in one A/B run of benchmarks/averaging.py, "none" over direct, the four peer processes used
-4.1 CPU-s with 1 MiB and 3.8 CPU-s with 64 KiB).
+4.1 CPU-s with 1 MiB and 3.8 CPU-s with 64 KiB). Over TLS (the default) the event loop's TLS layer
+decrypts into the same buffers: OpenSSL writes the plaintext into the caller's buffer.
 
 A :class:`DirectStream` is the reader half that :class:`~hivemind_ext.p2p.stream.FramedStream`
 needs (``read``, ``readexactly``, ``readexactly_into``, ``at_eof``, ``exception``); the writer half
@@ -25,6 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
+import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -53,12 +57,14 @@ class DirectStream(asyncio.BufferedProtocol):
         self._closed = self._loop.create_future()
         self._writing_paused = False
         self._connection_lost = False
+        self._tls = False
         self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     # ----- protocol callbacks (called by the event loop)
 
-    def connection_made(self, transport: Any) -> None:  # a TCP transport (asyncio's or uvloop's)
+    def connection_made(self, transport: Any) -> None:  # a TCP or TLS transport (asyncio's or uvloop's)
         self.transport = transport
+        self._tls = transport.get_extra_info("sslcontext") is not None
         if self._on_connected is not None:
             self._on_connected((self, asyncio.StreamWriter(transport, self, None, self._loop)))
 
@@ -84,7 +90,8 @@ class DirectStream(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wake()
-        return True  # keep the transport open for writing, as asyncio's StreamReaderProtocol does
+        # keep the transport open for writing, as asyncio's StreamReaderProtocol does (TLS cannot half-close)
+        return not self._tls
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._connection_lost = True
@@ -210,17 +217,54 @@ class DirectStream(asyncio.BufferedProtocol):
 
 
 async def open_direct_connection(host: str, port: int) -> Connection:
-    """Connects to ``host:port``; (reader, writer) like ``asyncio.open_connection``."""
+    """Connects to ``host:port`` over plain TCP; (reader, writer) like ``asyncio.open_connection``."""
+    return await start_client_session(await connect_tcp(host, port))
+
+
+async def connect_tcp(host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to ``host`` (an IP address literal) and ``port``.
+
+    Separate from :func:`start_client_session` so that a caller can tell a peer it cannot reach
+    from a peer that refuses its TLS handshake. The caller bounds the wait."""
     loop = asyncio.get_running_loop()
-    transport, protocol = await loop.create_connection(DirectStream, host, port)
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def start_client_session(
+    sock: socket.socket, *, tls: ssl.SSLContext | None = None, server_name: str | None = None
+) -> Connection:
+    """(reader, writer) over a connected socket: TLS with ``tls`` (sending ``server_name`` as SNI),
+    else plain TCP. The caller bounds the wait (the handshake)."""
+    loop = asyncio.get_running_loop()
+    try:
+        transport, protocol = await loop.create_connection(
+            DirectStream, sock=sock, ssl=tls, server_hostname=server_name if tls is not None else None
+        )
+    except BaseException:
+        sock.close()
+        raise
     return protocol, asyncio.StreamWriter(transport, protocol, None, loop)
 
 
 async def start_direct_server(
-    on_connection: Callable[[DirectStream, asyncio.StreamWriter], Awaitable[None]], host: str, port: int
+    on_connection: Callable[[DirectStream, asyncio.StreamWriter], Awaitable[None]],
+    host: str,
+    port: int,
+    *,
+    tls: ssl.SSLContext | None = None,
+    handshake_timeout: float = 5.0,
 ) -> asyncio.AbstractServer:
-    """Listens on ``host:port``; runs ``on_connection(reader, writer)`` in a new task per connection
-    (like ``asyncio.start_server``; the callback must adopt and finish its task)."""
+    """Listens on ``host:port`` (TLS with ``tls``: a handshake not done within ``handshake_timeout``
+    is dropped); runs ``on_connection(reader, writer)`` in a new task per connection, once its
+    handshake is done (like ``asyncio.start_server``; the callback must adopt and finish its task)."""
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()  # strong references until each task is done
 
@@ -229,4 +273,11 @@ async def start_direct_server(
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    return await loop.create_server(lambda: DirectStream(on_connected=connected), host, port, reuse_address=True)
+    return await loop.create_server(
+        lambda: DirectStream(on_connected=connected),
+        host,
+        port,
+        reuse_address=True,
+        ssl=tls,
+        ssl_handshake_timeout=handshake_timeout if tls is not None else None,
+    )

@@ -1,23 +1,33 @@
-"""The opt-in direct data path's wire format: tickets (over libp2p) and the TCP hello.
+"""The direct data path's wire format: tickets (over libp2p) and the hello on each TCP connection.
 
-Why: on a fast network the libp2p daemons (encryption, copies through a unix socket) cost more
-CPU than the peers themselves, so two peers that can reach each other directly may move bulk
-data over plain TCP instead. The TCP connection is **not encrypted**, only authenticated: anyone
-on the path can read (and, with effort, alter) the data. Use it on loopback or trusted networks.
+Why: on a fast network the libp2p daemons (their encryption, copies through a unix socket) cost
+more CPU than the peers themselves, so two peers that can reach each other directly move bulk data
+(all-reduce streams, state downloads) over their own TCP connection instead, falling back to
+libp2p where no direct connection can be made.
+
+By default the connection is TLS 1.3 with both certificates pinned through libp2p (see
+:mod:`~hivemind_ext.p2p.direct_tls`); plaintext is an explicit opt-in on both sides
+(``DirectConfig(plaintext=True)`` on the server, ``DirectClientConfig(allow_plaintext=True)`` on
+the caller) for loopback or trusted networks.
 
 Authentication reuses libp2p's: a caller asks the server for tickets with a unary call over an
-(authenticated, encrypted) libp2p stream. The server remembers which PeerID asked and answers
-with its TCP address and random one-time tokens. A TCP connection is accepted only with a valid,
-unexpired, unused token, and the call it carries is served as if that PeerID had opened it over
-libp2p (handlers see the same ``ctx.peer_id``).
+(authenticated, encrypted) libp2p stream, sending its TLS certificate. The server remembers which
+PeerID asked with which certificate and answers with its TCP address, its own certificate and
+random one-time tokens. A connection is accepted only over TLS with the caller's certificate and
+a valid, unexpired, unused token issued for that certificate (plaintext: the token alone), and the
+call it carries is served as if that PeerID had opened it over libp2p (handlers see the same
+``ctx.peer_id``).
 
 Ticket call (unary, handler :data:`TICKET_HANDLER`)::
 
-    request  {"count": k}                                   1 <= k <= MAX_TOKENS_PER_TICKET
-    response {"host": str, "port": int, "ttl": seconds, "tokens": [32-byte bin, ...]}
+    request  {"count": k, "cert": DER bytes}            1 <= k <= MAX_TOKENS_PER_TICKET; "cert" may
+                                                        be left out only for a plaintext server
+    response {"host": str, "port": int, "ttl": seconds, "tokens": [32-byte bin, ...],
+              "cert": DER bytes}                        no "cert": the server speaks plaintext
              or {"error": str} for a malformed request
 
-TCP connection, caller first::
+TCP connection: the TLS handshake (the caller's SNI names its certificate, see
+:func:`~hivemind_ext.p2p.direct_tls.sni_name`; none for plaintext), then, caller first::
 
     offset  size  field
     0       4     magic b"hxd1"
@@ -34,15 +44,19 @@ After ACCEPTED the connection carries exactly one call, framed as over libp2p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from hivemind_ext.errors import PeerUnreachableError, ProtocolError
 from hivemind_ext.p2p.deadlines import wait_until
+from hivemind_ext.p2p.direct_tls import check_certificate
 from hivemind_ext.p2p.direct_transport import DirectStream
 
+# Which path a call took: "direct" is the encrypted direct path, "direct-plaintext" the opt-in one.
+Transport = Literal["libp2p", "direct", "direct-plaintext"]
 TICKET_HANDLER = "_direct_ticket"  # reserved name in every namespace that enables the direct path
 HELLO_MAGIC = b"hxd1"
 TOKEN_BYTES = 32
@@ -89,12 +103,31 @@ async def _read_hello(reader: DirectStream) -> tuple[bytes, str]:
         raise ProtocolError("direct hello's handler name is not utf-8") from None
 
 
-def ticket_response(host: str, port: int, ttl: float, tokens: list[bytes]) -> dict[str, Any]:
-    return {"host": host, "port": port, "ttl": float(ttl), "tokens": tokens}
+@dataclasses.dataclass(frozen=True)
+class Ticket:
+    """What a ticket response says: where to connect, for how long, with which tokens, and the
+    server's certificate to pin (None: the server speaks plaintext)."""
+
+    host: str
+    port: int
+    ttl: float
+    tokens: list[bytes]
+    cert: bytes | None
 
 
-def parse_ticket_response(header: Mapping[str, Any]) -> tuple[str, int, float, list[bytes]]:
-    """(host, port, ttl, tokens) from a ticket response; anything malformed is a ProtocolError."""
+def ticket_request(count: int, cert: bytes | None) -> dict[str, Any]:
+    return {"count": count} if cert is None else {"count": count, "cert": cert}
+
+
+def ticket_response(host: str, port: int, ttl: float, tokens: list[bytes], cert: bytes | None) -> dict[str, Any]:
+    response: dict[str, Any] = {"host": host, "port": port, "ttl": float(ttl), "tokens": tokens}
+    if cert is not None:
+        response["cert"] = cert
+    return response
+
+
+def parse_ticket_response(header: Mapping[str, Any]) -> Ticket:
+    """The ticket in a ticket response; anything malformed is a ProtocolError."""
     if "error" in header:
         raise ProtocolError(f"the server refused the ticket request: {header['error']!r:.200}")
     host, port, ttl, tokens = (header.get(key) for key in ("host", "port", "ttl", "tokens"))
@@ -114,11 +147,14 @@ def parse_ticket_response(header: Mapping[str, Any]) -> tuple[str, int, float, l
         or not all(isinstance(token, bytes) and len(token) == TOKEN_BYTES for token in tokens)
     ):
         raise ProtocolError(f"ticket must carry 1..{MAX_TOKENS_PER_TICKET} tokens of {TOKEN_BYTES} bytes")
-    return host, port, float(ttl), tokens
+    cert = check_certificate(header["cert"]) if "cert" in header else None
+    return Ticket(host, port, float(ttl), tokens, cert)
 
 
-def parse_ticket_request(header: Mapping[str, Any]) -> int:
+def parse_ticket_request(header: Mapping[str, Any]) -> tuple[int, bytes | None]:
+    """(token count, the caller's certificate or None) from a ticket request, or ProtocolError."""
     count = header.get("count")
     if type(count) is not int or not 1 <= count <= MAX_TOKENS_PER_TICKET:
         raise ProtocolError(f"ticket request needs a 'count' in 1..{MAX_TOKENS_PER_TICKET}, got {count!r:.30}")
-    return count
+    cert = check_certificate(header["cert"]) if "cert" in header else None
+    return count, cert

@@ -6,9 +6,11 @@ Each handler is registered with the libp2p daemon as its own protocol
 (asyncio's stream server starts them; the server adopts them), caps how many run at once per
 handler, and at shutdown removes its handlers and cancels and awaits the calls.
 
-Opt-in direct data path (:meth:`RPCServer.enable_direct`): the server also listens on a plain TCP
-socket and serves calls that arrive there with a one-time token obtained over libp2p (see
-:mod:`~hivemind_ext.p2p.direct_wire`). Such calls are authenticated but **not encrypted**.
+Direct data path (:meth:`RPCServer.enable_direct`): the server also listens on a TCP socket,
+TLS 1.3 by default, and serves calls that arrive there with a one-time token obtained over libp2p
+and the TLS certificate sent with it (see :mod:`~hivemind_ext.p2p.direct_wire` and
+:mod:`~hivemind_ext.p2p.direct_tls`). With ``DirectConfig(plaintext=True)`` such calls are
+authenticated but **not encrypted**.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind_ext.errors import ClosedError, ConfigurationError, HivemindExtError, ProtocolError
 from hivemind_ext.p2p.deadlines import now, remaining, wait_until
 from hivemind_ext.p2p.direct_server import DirectConfig, DirectListener, TicketBook
+from hivemind_ext.p2p.direct_tls import fingerprint
 from hivemind_ext.p2p.direct_transport import DirectStream
 from hivemind_ext.p2p.direct_wire import (
     ACCEPTED,
     REJECTED,
     TICKET_HANDLER,
+    Transport,
     parse_ticket_request,
     read_hello,
     ticket_response,
@@ -51,11 +55,15 @@ from hivemind_ext.p2p.wire_errors import ErrorKind
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONTROL_TIMEOUT = 10.0  # registering / removing a handler is a round trip to the local daemon
-# After its last frame, the server waits this long for the caller to hang up (see FramedStream.linger).
+# After its last frame, the server waits this long for the caller to hang up (see FramedStream.linger);
+# after a call whose last response went out, until the call's deadline if that is later: on a thin link
+# the caller may need many seconds to take the last responses out of the daemons' buffers, and closing
+# our end before it has them resets the stream (it would lose their tail).
 LINGER_SECONDS = 2.0
-# A ticket request is a tiny header and a response is ~1 KiB: nothing bigger is accepted.
+# A ticket request is a small header (a count and a certificate of at most MAX_CERT_BYTES) and a
+# response is ~1.5 KiB: nothing bigger is accepted.
 TICKET_HANDLER_CONFIG = HandlerConfig(
-    limits=Limits(max_header_bytes=4096, max_payload_bytes=0), max_timeout=30.0, max_concurrent_calls=64
+    limits=Limits(max_header_bytes=8192, max_payload_bytes=0), max_timeout=30.0, max_concurrent_calls=64
 )
 # A call over its peer's share (HandlerConfig.max_calls_per_peer) is refused after this long; one
 # beyond twice that share is dropped at once.
@@ -86,6 +94,7 @@ class RPCServer:
         self._direct: DirectListener | None = None
         self._tickets: TicketBook | None = None
         self._pending_hellos = 0
+        self.direct_refusals = 0  # direct connections refused after their hello (bad token or certificate)
         self._scopes: dict[str, RPCServer] = {}  # namespace -> open scope (see scope())
         self._parent: RPCServer | None = None
         # bytes of incomplete payloads per caller, shared with this server's scopes (see receive_budget)
@@ -183,12 +192,15 @@ class RPCServer:
             raise
 
     async def enable_direct(self, config: DirectConfig, *, timeout: float = DEFAULT_CONTROL_TIMEOUT) -> tuple[str, int]:
-        """Also serves every handler over plain TCP to callers holding a ticket; returns (host, port).
+        """Also serves every handler over direct TLS connections to callers holding a ticket;
+        returns the advertised (host, port).
 
-        The direct path is authenticated (tickets are handed out over libp2p to the PeerID that
-        asks, and each is good for one connection) but **not encrypted**: enable it only on
-        loopback or a trusted network. Callers opt in with ``RPCClient(..., prefer_direct=True)``
-        and fall back to libp2p whenever the direct path fails.
+        Tickets are handed out over libp2p to the PeerID that asks, each good for one connection
+        that presents the TLS certificate sent with the ticket request; this server's own
+        certificate travels back with the ticket, so callers pin it. ``DirectConfig(plaintext=True)``
+        serves plain TCP instead (authenticated, **not encrypted**: loopback or trusted networks
+        only). Callers use it with ``RPCClient(..., prefer_direct=True)`` and fall back to libp2p
+        whenever the direct path fails.
         """
         if not isinstance(config, DirectConfig):
             raise ConfigurationError(f"config must be a DirectConfig, got {type(config).__name__}")
@@ -205,14 +217,12 @@ class RPCServer:
             listener.stop_accepting()
             self._direct = self._tickets = None
             raise
-        return config.advertised_host, listener.port
+        return listener.advertised
 
     @property
     def direct_address(self) -> tuple[str, int] | None:
         """(host, port) that callers connect to for the direct path, or None if it is not enabled."""
-        if self._direct is None:
-            return None
-        return self._direct.config.advertised_host, self._direct.port
+        return self._direct.advertised if self._direct is not None else None
 
     @property
     def direct_listener(self) -> DirectListener | None:
@@ -289,15 +299,22 @@ class RPCServer:
 
     async def _issue_tickets(self, request: Message, context: RPCContext) -> Message:
         """The ticket handler: tokens bound to the caller's libp2p identity (see direct_wire)."""
-        address = self.direct_address
-        if address is None or self._tickets is None:
+        listener, tickets = self._direct, self._tickets
+        if listener is None or tickets is None:
             raise ClosedError("the direct data path is not enabled")
         try:
-            count = parse_ticket_request(request.header)
+            count, cert = parse_ticket_request(request.header)
+            pinned = None  # the fingerprint the tokens are bound to (none for a plaintext server)
+            if listener.tls is not None:
+                if cert is None:
+                    raise ProtocolError("this server's direct path is TLS: the ticket request needs a certificate")
+                listener.tls.expect(cert)
+                pinned = fingerprint(cert)
         except ProtocolError as e:  # answered, not raised: a handler failure is logged as a warning
             return Message({"error": str(e)})
-        tokens = self._tickets.issue(context.peer_id, count, now())
-        return Message(ticket_response(*address, self._tickets.config.token_ttl, tokens))
+        tokens = tickets.issue(context.peer_id, count, now(), pinned)
+        own_cert = listener.tls.identity.cert_der if listener.tls is not None else None
+        return Message(ticket_response(*listener.advertised, tickets.config.token_ttl, tokens, own_cert))
 
     async def _serve_direct(self, reader: DirectStream, writer: asyncio.StreamWriter) -> None:
         """One TCP connection: its hello (token + handler), then one call, as if it came over libp2p."""
@@ -319,7 +336,8 @@ class RPCServer:
             return
         route, peer_id = accepted
         stream = FramedStream(reader, writer, route.config.limits, self.receive_budget.account(peer_id))
-        await self._serve_adopted(route, peer_id, stream, "direct")
+        encrypted = writer.get_extra_info("ssl_object") is not None
+        await self._serve_adopted(route, peer_id, stream, "direct" if encrypted else "direct-plaintext")
 
     async def _accept_hello(
         self, reader: DirectStream, writer: asyncio.StreamWriter, tickets: TicketBook
@@ -331,21 +349,27 @@ class RPCServer:
         except HivemindExtError as e:
             logger.debug(f"direct connection to {self.namespace} dropped: {type(e).__name__}: {e}")
             return None
-        peer_id = tickets.redeem(token, now())
+        holder = tickets.redeem(token, now())
         route = self._routes.get(name)
-        if peer_id is None or route is None or name == TICKET_HANDLER:
-            why = "invalid, used or expired token" if peer_id is None else f"no handler {name!r}"
+        why = None
+        if holder is None:
+            why = "invalid, used or expired token"
+        elif not _presents(writer, holder.cert_fingerprint):
+            why = f"a token of {holder.peer_id} presented with another certificate"
+        elif route is None or name == TICKET_HANDLER:
+            why = f"no handler {name!r}"
+        if why is not None or holder is None or route is None:
             logger.debug(f"direct connection to {self.namespace} refused: {why}")
+            self.direct_refusals += 1
             writer.write(REJECTED)
             return None
         writer.write(ACCEPTED)
-        return route, peer_id
+        return route, holder.peer_id
 
-    async def _serve_adopted(
-        self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Literal["libp2p", "direct"]
-    ) -> None:
+    async def _serve_adopted(self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Transport) -> None:
         route.active_calls += 1
         route.calls_per_peer[peer_id] += 1
+        linger = LINGER_SECONDS
         try:
             if route.active_calls > route.config.max_concurrent_calls:
                 busy = ClosedError(f"{route.name} is serving {route.config.max_concurrent_calls} calls already")
@@ -360,8 +384,10 @@ class RPCServer:
                 busy = ClosedError(f"{route.name} is serving {limit} calls of {peer_id} already")
                 report(stream, ErrorKind.UNAVAILABLE, busy)
             else:
-                await serve_call(route, peer_id, stream, transport)
-            await stream.linger(LINGER_SECONDS)
+                answered_by = await serve_call(route, peer_id, stream, transport)
+                if answered_by is not None:
+                    linger = max(linger, answered_by - now())
+            await stream.linger(linger)
         except asyncio.CancelledError:
             report(stream, ErrorKind.UNAVAILABLE, ClosedError("the server is shutting down"))
             raise
@@ -373,3 +399,13 @@ class RPCServer:
             if route.calls_per_peer[peer_id] <= 0:
                 del route.calls_per_peer[peer_id]
             stream.close()
+
+
+def _presents(writer: asyncio.StreamWriter, expected: bytes | None) -> bool:
+    """Whether the connection's TLS peer holds the certificate a token was issued for (a plaintext
+    server's tokens carry no certificate; a TLS server's always do)."""
+    ssl_object = writer.get_extra_info("ssl_object")
+    if expected is None:
+        return ssl_object is None
+    presented = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    return presented is not None and fingerprint(presented) == expected

@@ -108,6 +108,39 @@ class OwnerBook:
         return trusted
 
 
+def believed_records(entries: Iterable[tuple[Any, Any, Any]], tag: str, book: OwnerBook, now: float) -> dict[str, Any]:
+    """``peer id -> value`` of the ``(subkey, value, expiration)`` entries of one read that are live,
+    under a signed subkey tagged ``tag``, and under the key ``book`` trusts for their peer id; one
+    record per key (a key that speaks for several peer ids keeps the first), so that a vote or a
+    registration costs a key. Everything else is skipped and counted in ``book.rejected``.
+
+    For records where each peer has one voice (state digests, neighbour registrations); the
+    signatures themselves were checked by the reader's DHT node, which drops records whose
+    signature does not match their owner subkey."""
+    claims: list[tuple[SignedSubkey, Any]] = []
+    for subkey, value, expiration in entries:
+        try:
+            signed = split_signed_subkey(subkey)
+        except ProtocolError:
+            book.rejected += 1
+            continue
+        live = isinstance(expiration, int | float) and not isinstance(expiration, bool) and expiration > now
+        if signed.tag != tag or not live:
+            book.rejected += 1
+            continue
+        claims.append((signed, value))
+    trusted = book.resolve(((signed.peer_id, signed.owner) for signed, _ in claims), now)
+    believed: dict[str, Any] = {}
+    voted: set[bytes] = set()
+    for signed, value in claims:
+        if trusted.get(signed.peer_id) != signed.owner or signed.owner in voted or signed.peer_id in believed:
+            book.rejected += 1
+            continue
+        voted.add(signed.owner)
+        believed[signed.peer_id] = value
+    return believed
+
+
 class OwnedRecordsValidator(RecordValidatorBase):
     """Makes a DHT node refuse, under the keys it protects, any entry whose subkey is not a signed
     subkey (so not signed by anyone: :class:`RSASignatureValidator` passes such entries). Runs after
@@ -232,6 +265,7 @@ __all__ = [
     "OwnedRecordsValidator",
     "OwnerBook",
     "SignedSubkey",
+    "believed_records",
     "default_signing_key",
     "install_signing",
     "owner_marker",

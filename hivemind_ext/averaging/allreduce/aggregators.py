@@ -9,7 +9,8 @@ works per part (as BTARD does: clipping is per part, not over the whole model).
   optimization"; used by BTARD): from the coordinate-wise median, repeat
   ``v <- v + sum_i w_i * clip(x_i - v, tau) / sum_i w_i``, where ``clip(u, tau)`` scales ``u`` down
   to norm ``tau`` if it is longer. A contribution moves ``v`` by at most ``tau * w_i / sum w`` per
-  iteration, whatever its values;
+  iteration, whatever its values. ``tau`` is fixed, or (the default) twice the median distance of
+  the part's contributions to their coordinate-wise median, recomputed for every part of every round;
 - :class:`TrimmedMean`: per coordinate, drop the ``trim`` fraction of smallest and largest values
   and take the weighted mean of the rest (cheap; tolerates ``floor(trim * n)`` arbitrary inputs);
 - :func:`norm_outliers`: the sanity bound that is on even with plain averaging: a contribution
@@ -62,40 +63,89 @@ class WeightedMean(Aggregator):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CenteredClip(Aggregator):
-    """CenteredClip with clip radius ``tau`` (in the units of the averaged values, per part) and a
-    fixed number of ``iterations``, starting from the coordinate-wise median.
+    """CenteredClip from the coordinate-wise median, ``iterations`` steps, with a clip radius that is
+    either fixed (``tau``, in the units of the averaged values, per part) or, by default, taken from
+    each part's own spread: ``spread * median_i ||x_i - m||``, where ``m`` is the coordinate-wise
+    median of the contributions (:meth:`radius`).
 
-    ``tau`` should be about the spread of honest contributions on one part (e.g. the norm of the
-    difference between two honest peers' gradients on it): smaller values resist attackers more
-    but move more slowly toward the honest mean, larger ones behave like the mean.
+    Why adaptive: honest gradients shrink and their spread changes by orders of magnitude over a run
+    and between parts of one model, so one fixed ``tau`` either clips honest peers (a bias that
+    costs loss without any attacker) or lets an attacker pull ``tau * w / sum w`` per iteration
+    long after the gradients have become small. The median distance to the median is a robust
+    scale: fewer than half the contributions cannot make it larger than the largest honest
+    distance. With ``spread`` 2, honest contributions of a normal round are rarely clipped, so
+    without an attacker the result is the weighted mean; an outlier is pulled in to ``tau`` from
+    the centre, so its influence is at most ``tau * w / sum w`` per iteration, whatever its scale.
     """
 
-    tau: float
+    tau: float | None = None
+    spread: float = 2.0
     iterations: int = 20
 
     def __post_init__(self) -> None:
-        if isinstance(self.tau, bool) or not isinstance(self.tau, int | float) or not 0 < self.tau < math.inf:
-            raise ConfigurationError(f"CenteredClip(tau=...) must be a positive finite number, got {self.tau!r}")
+        if self.tau is not None and not _positive_finite(self.tau):
+            raise ConfigurationError(
+                f"CenteredClip(tau=...) must be None or a positive finite number, got {self.tau!r}"
+            )
+        if not _positive_finite(self.spread):
+            raise ConfigurationError(f"CenteredClip(spread=...) must be a positive finite number, got {self.spread!r}")
         if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) or self.iterations < 1:
             raise ConfigurationError(f"CenteredClip(iterations=...) must be a positive int, got {self.iterations!r}")
 
     def aggregate(self, values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         _check_inputs(values, weights)
-        start = values.median(dim=0).values if values.shape[0] > 2 else values.mean(dim=0)
-        return centered_clip(values, weights, self.tau, self.iterations, start)
+        start = _start(values)
+        tau = self.radius(values, start)
+        if tau == 0:  # most contributions equal the median: nothing to move toward
+            return start
+        return centered_clip(values, weights, tau, self.iterations, start)
+
+    def radius(self, values: torch.Tensor, start: torch.Tensor | None = None) -> float:
+        """The clip radius for ``values`` [n, d]: ``tau`` if fixed, else ``spread`` times the median
+        distance of the contributions to ``start`` (default: their coordinate-wise median); 0 when
+        that distance is 0 or not finite (a part whose values overflow float32 is left at the median)."""
+        if self.tau is not None:
+            return float(self.tau)
+        start = _start(values) if start is None else start
+        distances = torch.linalg.vector_norm(values - start, dim=1)  # [n]
+        scale = float(distances.median()) * self.spread
+        return scale if math.isfinite(scale) else 0.0
+
+
+def _start(values: torch.Tensor) -> torch.Tensor:
+    """Where CenteredClip starts: the coordinate-wise median (the mean of 2 contributions)."""
+    return values.median(dim=0).values if values.shape[0] > 2 else values.mean(dim=0)
+
+
+def _positive_finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
 
 
 def centered_clip(
     values: torch.Tensor, weights: torch.Tensor, tau: float, iterations: int, start: torch.Tensor
 ) -> torch.Tensor:
-    """``iterations`` steps of CenteredClip from ``start`` [d]; ``values`` [n, d], ``weights`` [n]."""
+    """``iterations`` steps of CenteredClip from ``start`` [d]; ``values`` [n, d], ``weights`` [n].
+
+    A contribution whose distance to the centre is not finite (it overflows float32) gets scale 0,
+    and ``torch.where`` keeps its infinite offsets out of the sum (``inf * 0`` would be NaN).
+
+    An iteration that clips nobody moves the centre to the weighted mean; if the next one clips
+    nobody either, the mean is the fixed point and the remaining iterations are skipped (a round
+    without outliers costs 2 iterations, not ``iterations``)."""
     fractions = (weights / weights.sum()).to(values.dtype)  # [n]
     center = start.clone()
+    unclipped_before = False
     for _ in range(iterations):
         offsets = values - center  # [n, d]
         norms = torch.linalg.vector_norm(offsets, dim=1)  # [n]
         scales = torch.clamp(tau / torch.clamp(norms, min=torch.finfo(values.dtype).tiny), max=1.0)
+        scales = torch.where(torch.isfinite(norms), scales, 0.0)
+        unclipped = bool((scales == 1.0).all())
+        if unclipped and unclipped_before:
+            break
+        offsets = torch.where(scales[:, None] > 0, offsets, 0.0)
         center += (fractions * scales) @ offsets
+        unclipped_before = unclipped
     return center
 
 
@@ -153,8 +203,7 @@ def check_aggregator(aggregator: object) -> Aggregator:
         return WeightedMean()
     if not isinstance(aggregator, Aggregator):
         raise ConfigurationError(
-            f"aggregator must be None, WeightedMean(), CenteredClip(tau=...) or TrimmedMean(trim=...), "
-            f"got {aggregator!r:.80}"
+            f"aggregator must be None, WeightedMean(), CenteredClip() or TrimmedMean(trim=...), got {aggregator!r:.80}"
         )
     return aggregator
 

@@ -55,7 +55,17 @@ from hivemind_ext.errors import (
     HivemindExtError,
     ProtocolError,
 )
-from hivemind_ext.p2p import HandlerConfig, Limits, Message, RPCContext, RPCServer, TaskOwner, now, wait_until
+from hivemind_ext.p2p import (
+    DirectConfig,
+    HandlerConfig,
+    Limits,
+    Message,
+    RPCContext,
+    RPCServer,
+    TaskOwner,
+    now,
+    wait_until,
+)
 from hivemind_ext.p2p.dht_calls import DHTCalls
 from hivemind_ext.p2p.signing import default_signing_key, install_signing
 
@@ -110,6 +120,8 @@ class StateDonor:
       training changes them, e.g. the averager's); each download serves such a copy.
     :param signing_key: the RSA key the DHT signs this peer's records with (default: this DHT's,
       see :func:`~hivemind_ext.p2p.signing.default_signing_key`); the record goes under its owner subkey.
+    :param direct: also serve downloads over the direct data path with these settings (see
+      ``RPCServer.enable_direct``); None: over libp2p only.
     """
 
     def __init__(
@@ -125,6 +137,7 @@ class StateDonor:
         dht_calls: DHTCalls | None = None,
         state_lock: AbstractContextManager[Any] | None = None,
         signing_key: RSAPrivateKey | None = None,
+        direct: DirectConfig | None = None,
     ) -> None:
         if not callable(get_state):
             raise ConfigurationError(f"get_state must be callable, got {type(get_state).__name__}")
@@ -149,6 +162,7 @@ class StateDonor:
             self._server = server.scope(config.rpc_namespace, config=self._handler_config())
         else:
             self._server = RPCServer(p2p, config.rpc_namespace, config=self._handler_config())
+        self._direct = direct
         self._tasks = TaskOwner(f"StateDonor({config.prefix})")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
@@ -179,6 +193,8 @@ class StateDonor:
         self._owner = await install_signing(
             self._dht_calls, self._signing_key, protected_keys=(donors_key(self.config.prefix),), timeout=timeout
         )
+        if self._direct is not None:
+            await self._server.enable_direct(self._direct, timeout=timeout)
         await self._server.add_stream(LOAD_STATE_HANDLER, self._serve_download, timeout=timeout)
         self.serving = True
         self._tasks.spawn(self._advertise_forever(self._changed), name=f"advertise state of {self.config.prefix}")

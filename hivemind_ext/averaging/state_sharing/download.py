@@ -87,6 +87,7 @@ from hivemind_ext.errors import (
 )
 from hivemind_ext.p2p import (
     ClientStream,
+    DirectClientConfig,
     Limits,
     Message,
     RPCClient,
@@ -220,15 +221,32 @@ class StateLoader:
     :param dht: a running hivemind DHT, to find donors.
     :param p2p: the libp2p daemon to download through (``await dht.replicate_p2p()``); client mode is fine.
     :param dht_calls: the peer runtime's DHT helper (default: one of the loader's own around ``dht``).
+    :param direct: download over donors' direct data path where they offer one, with these
+      settings (falling back to libp2p); None: over libp2p only.
     """
 
-    def __init__(self, config: StateSharingConfig, *, dht: DHT, p2p: P2P, dht_calls: DHTCalls | None = None) -> None:
+    def __init__(
+        self,
+        config: StateSharingConfig,
+        *,
+        dht: DHT,
+        p2p: P2P,
+        dht_calls: DHTCalls | None = None,
+        direct: DirectClientConfig | None = None,
+    ) -> None:
         self.config, self.dht, self.p2p = config, dht, p2p
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
         self.skipped_records = 0  # donor records skipped so far: unsigned, malformed or expired
         self._validating = False  # whether the DHT validates (and strips) signed records yet
         limits = Limits(max_payload_bytes=max(MAX_MANIFEST_BYTES, MAX_CHUNK_PAYLOAD_BYTES))
-        self.client = RPCClient(p2p, config.rpc_namespace, limits=limits, default_timeout=DEFAULT_LOAD_TIMEOUT)
+        self.client = RPCClient(
+            p2p,
+            config.rpc_namespace,
+            limits=limits,
+            default_timeout=DEFAULT_LOAD_TIMEOUT,
+            prefer_direct=direct is not None,
+            direct_config=direct,
+        )
         self._banned: dict[str, float] = {}  # base58 peer id -> time.monotonic() until which it is skipped
 
     @property

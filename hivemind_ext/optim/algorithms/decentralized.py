@@ -35,6 +35,7 @@ from hivemind_ext.optim.algorithms.neighbours import NeighbourRegistry, choose_n
 from hivemind_ext.p2p import HandlerConfig, Limits, Message, RPCClient, RPCContext, TaskOwner
 from hivemind_ext.p2p.messages import TENSOR_KEY, pack_tensor, unpack_tensor
 from hivemind_ext.p2p.runtime import PeerRuntime
+from hivemind_ext.p2p.signing import default_signing_key
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,11 @@ class DecentralizedSGDImpl(AlgorithmImpl):
             raise
         self.peer_id = self._p2p.peer_id.to_base58()
         self.registry = NeighbourRegistry(
-            self._runtime, context.prefix("decsgd_peers"), self.peer_id, timeout=algorithm.request_timeout
+            self._runtime,
+            context.prefix("decsgd_peers"),
+            self.peer_id,
+            signing_key=default_signing_key(context.dht),
+            timeout=algorithm.request_timeout,
         )
         self.registry.register(force=True)
 
