@@ -389,7 +389,13 @@ class DecentralizedAverager:
         self._service.on_early_stream = self._on_early_stream
         await self._service.start()
         dht_calls = runtime.dht_calls
-        self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id, dht_calls=dht_calls)
+        self._matchmaker = Matchmaker(
+            self.matchmaking_config,
+            dht=self.dht,
+            peer_id=p2p.peer_id,
+            dht_calls=dht_calls,
+            on_read=round_stats_of(runtime).record_board_read,
+        )
         target = self.matchmaking_config.target_group_size
         if target is not None and target >= 2:  # rotating groups (see .matchmaking.rotation); bits take precedence
             self._digits = initial_digits(p2p.peer_id.to_base58(), target)

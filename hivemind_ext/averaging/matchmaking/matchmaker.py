@@ -118,12 +118,13 @@ import functools
 import logging
 import math
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from hivemind import DHT
 from hivemind.dht import DHTNode
 from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
@@ -164,6 +165,8 @@ class Matchmaker:
     :param dht_calls: the peer runtime's DHT helper (default: one of the matchmaker's own around ``dht``).
     :param signing_key: the RSA key the DHT signs this peer's records with (default: this DHT's, see
         :func:`~hivemind_ext.p2p.signing.default_signing_key`).
+    :param on_read: called with the bytes of records (signed subkeys and msgpack values) that each
+        read of the board returned, e.g. ``RoundStats.record_board_read`` (what a poll costs).
     """
 
     def __init__(
@@ -174,8 +177,10 @@ class Matchmaker:
         peer_id: PeerID | None = None,
         dht_calls: DHTCalls | None = None,
         signing_key: RSAPrivateKey | None = None,
+        on_read: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
+        self._on_read = on_read
         self.peer_id = peer_id if peer_id is not None else dht.peer_id
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
         if signing_key is None:
@@ -393,6 +398,8 @@ class Matchmaker:
             logger.debug("some of the matchmaking records %s were not stored", [w.subkey for w in writes])
         if entries is None:
             return stored, None
+        if self._on_read is not None:
+            self._on_read(sum(_record_bytes(subkey, value) for subkey, value, _ in entries))
         now = get_dht_time()
         believed = authenticate_board(entries, self.owners, now)
         board = parse_board(self.config.group_key, believed, now, self.config.fingerprint)
@@ -417,6 +424,15 @@ class Matchmaker:
             self._dht_calls.store_nowait(key, write.value, write.expiration_time, subkey=subkey)
         except Exception as e:  # a DHT that is already shut down cannot take the store
             logger.debug("could not store matchmaking record %s: %r", write.subkey, e)
+
+
+def _record_bytes(subkey: Any, value: Any) -> int:
+    """The size of one record as the DHT returned it (its subkey and its msgpack-encoded value)."""
+    size = len(subkey) if isinstance(subkey, (bytes, str)) else 0
+    try:
+        return size + len(MSGPackSerializer.dumps(value))
+    except Exception:  # a value msgpack cannot encode came from a hostile writer: count its subkey only
+        return size
 
 
 async def _store_then_read(
