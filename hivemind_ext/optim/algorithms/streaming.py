@@ -42,12 +42,13 @@ downloaded: it skips as many inner steps as the donor's pace (also in the phase)
 meanwhile (:func:`steps_missed`), and starts at once the rounds that fell due in them. A donor may
 have a round in flight, whose outer update the joiner cannot compute: the joiner then finds itself
 one round behind at its next round of that fragment, in which it takes part with weight 0, so it
-receives the others' average; it keeps that average and downloads the state again, and if the donor
-is still at that round, takes the same outer step as the donor (:func:`after_download`); this
-converges whether rounds land within H inner steps or not (but a peer whose downloads take far
-longer than H inner steps keeps missing its groups). Before a download the peer settles its own
-rounds in flight; a fragment in which it is further than the donor (the donor had not yet applied a
-round that this peer applied) keeps this peer's anchor, momentum, round index and parameters.
+receives the others' average; it keeps that average (and those of the rounds it takes part in until
+then: its own rounds are settled before a download) and downloads the state again; if the donor is
+at one of those rounds, it takes the same outer steps as the donor (:func:`after_download`). (A peer
+whose downloads take far longer than H inner steps keeps missing its groups.) Before a download the
+peer settles its own rounds in flight; a fragment in which it is further than the donor (the donor
+had not yet applied a round that this peer applied) keeps this peer's anchor, momentum, round index
+and parameters.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -75,6 +76,7 @@ logger = logging.getLogger(__name__)
 
 _STEP, _SECONDS_PER_STEP, _ROUNDS = 0, 1, 2  # positions in the phase tensor
 MAX_COUNT = 1 << 23  # the phase is float32, which counts +1 exactly up to 2**24
+MAX_HELD = 3  # averages of rounds in which a peer was behind, kept per fragment until its download
 
 
 class OverlapSettings(OuterSettings, Protocol):
@@ -153,16 +155,18 @@ def sanitized_phase(phase: Sequence[float]) -> list[float]:
     return clean
 
 
-def after_download(*, mine: int, served: int, held: int | None) -> str:
-    """Per fragment, whose values a peer keeps after a state download (round indices of that fragment):
-    ``"mine"`` when it was further than the donor (the donor had not applied a round this peer had);
-    ``"held"`` when it holds the others' average of round ``held`` and the donor is at that round (the
-    donor's round was in flight: this peer takes its outer step); else the ``"donor"``'s."""
+def after_download(*, mine: int, served: int, held: Collection[int]) -> tuple[str, int]:
+    """Per fragment, whose values a peer keeps after a state download (round indices of that fragment),
+    and how many held averages it then applies: ``("mine", 0)`` when it was further than the donor (the
+    donor had not applied a round this peer had); ``("held", n)`` when it holds the others' averages of
+    rounds ``served, served + 1, ... served + n - 1`` (the donor's rounds in flight, in which this peer
+    took part with weight 0: it takes the same outer steps); else ``("donor", 0)``."""
     if mine > served:
-        return "mine"
-    if held is not None and held == served:
-        return "held"
-    return "donor"
+        return "mine", 0
+    count = 0
+    while served + count in held:
+        count += 1
+    return ("held", count) if count else ("donor", 0)
 
 
 # ----- one fragment's rounds
@@ -197,7 +201,7 @@ class _Fragment:
         self.contributing = True  # False from a state download to the end of that round
         self.last_group_size: int | None = None
         #: the others' round index and average, from a round in which this peer was behind (see _settle)
-        self.held: tuple[int, list[torch.Tensor]] | None = None
+        self.held: dict[int, list[torch.Tensor]] = {}
         self.catch_up = False  # a download skipped this fragment's due step: start its round at the next
 
 
@@ -374,7 +378,9 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
             # With weight 0 the group's mean is the others' round index k and this peer received their
             # average: once it holds their round-k anchor (the download), it takes the same outer step
             if pending.weight == 0 and abs(group_round - round(group_round)) < 1e-3:
-                fragment.held = (round(group_round), [pg.clone() for pg in fragment.pseudo_grads])
+                fragment.held[round(group_round)] = [pg.clone() for pg in fragment.pseudo_grads]
+                while len(fragment.held) > MAX_HELD:  # the oldest go first
+                    fragment.held.pop(min(fragment.held))
             self.context.request_resync()
             self._not_applied(fragment, pending, "behind", group, "was behind the group: downloading its state")
             return
@@ -480,13 +486,12 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
         alg = self.algorithm
         for fragment in self.fragments:
             f = fragment.index
-            held, fragment.held = fragment.held, None
+            held, fragment.held = fragment.held, {}
             fragment.pending = None  # none: prepare_for_download settled them
             fragment.samples = 0
             mine_round, values = saved[f] if saved is not None else (-1, [])
-            choice = after_download(
-                mine=mine_round, served=int(self.phase[_ROUNDS + f].item()), held=held[0] if held is not None else None
-            )
+            served = int(self.phase[_ROUNDS + f].item())
+            choice, count = after_download(mine=mine_round, served=served, held=held.keys())
             fragment.contributing = choice != "donor"
             fragment.catch_up = any(
                 round_is_due(s, f, alg.inner_steps, alg.fragments)
@@ -501,12 +506,13 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
                         self.momentum[i].copy_(momentum)
                         self._params[i].copy_(param)
                     self.phase[_ROUNDS + f] = float(mine_round)
-                elif choice == "held" and held is not None:
-                    # the donor's outer step of its round in flight, on the same average: the same anchor
-                    outer_step(self.algorithm, anchors, [self.momentum[i] for i in fragment.tensors], held[1])
+                elif choice == "held":
+                    # the donor's outer steps of its rounds in flight, on the same averages: the same anchor
+                    for k in range(served, served + count):
+                        outer_step(self.algorithm, anchors, [self.momentum[i] for i in fragment.tensors], held[k])
                     for i in fragment.tensors:
                         self._params[i].copy_(self.anchor[i])
-                    self.phase[_ROUNDS + f] += 1
+                    self.phase[_ROUNDS + f] = float(served + count)
         self._state.copy_to_model()
 
     # ----- shutting down
