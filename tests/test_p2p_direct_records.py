@@ -126,9 +126,10 @@ async def test_a_server_without_the_key_cannot_answer_and_the_caller_detects_it(
         sealed_elsewhere = RecordSealer(new_session_key(), SERVER).seal(ACCEPTED)  # another key
         for answer, error in ((sealed_elsewhere, AuthenticationError), (ACCEPTED, ProtocolError)):
             impostor = await _false_server(answer)
+            impostor_port = impostor.sockets[0].getsockname()[1]
             try:
 
-                async def redirected(peer, request, deadline, port=impostor.sockets[0].getsockname()[1]):
+                async def redirected(peer, request, deadline, port=impostor_port):
                     # the real ticket (with its keys), pointing at the impostor
                     real = parse_ticket_response((await peers.client.call(peer, TICKET_HANDLER, request)).header)
                     return Message(ticket_response(real.host, port, real.ttl, real.tokens, real.keys))
