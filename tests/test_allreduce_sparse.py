@@ -62,7 +62,8 @@ def test_error_feedback_on_both_sides_converges_to_the_mean_while_parts_move(swa
     mean = sum(flat(x) for x in inputs) / 3
     codecs = [ErrorFeedback(SparseTopK(density=0.25, bits=4, chunk_size=64)) for _ in peers]  # a residual each
     configs = [config(compression=codec, **PATIENT) for codec in codecs]
-    bandwidths = [(1.0, 1.0, 1.0), (1.0, 3.0, 2.0), (5.0, 1.0, 1.5)]
+    # three layouts under the round-time-optimal split: even, peer 0 owns nothing, peer 0 owns all
+    bandwidths = [(1.0, 1.0, 1.0), (1.0, 10.0, 10.0), (5.0, 1.0, 1.5)]
     total, errors, layouts = torch.zeros_like(mean), [], set()
     for rounds in range(1, 17):
         members = [p.member(bandwidth=b) for p, b in zip(peers, bandwidths[rounds % 3], strict=True)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -84,6 +85,38 @@ def test_four_peers_reach_the_weighted_mean_and_gather(swarm: list[hivemind.DHT]
             assert sorted(value["peer"] for value in gathered.values()) == [0, 1, 2, 3]
             assert averager.last_round is not None and averager.last_round.group_size == 4
             assert averager.last_round.excluded == {}
+    finally:
+        shutdown_all(group)
+
+
+def test_a_round_that_leaves_a_peer_out_says_so_in_its_report_and_at_warning(
+    swarm: list[hivemind.DHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A member whose values are NaN is excluded by every owner: the round still succeeds for the
+    others (with the mean over the two of them), but their report and a WARNING say that it is not
+    the mean over the whole group, naming the peer left out and why."""
+    group = averagers(swarm[:3], fresh_prefix())
+    poisoned = swarm[2].peer_id.to_base58()
+    with group[2].get_tensors() as tensors:
+        for tensor in tensors:
+            tensor.fill_(float("nan"))
+    try:
+        pool = concurrent.futures.ThreadPoolExecutor(3)
+        with caplog.at_level(logging.WARNING, logger="hivemind_ext"):
+            # the poisoned peer averages nothing and retries until its timeout: only the others are awaited
+            futures = [pool.submit(averager.step, timeout=30) for averager in group]
+            assert futures[0].exception(timeout=60) is None and futures[1].exception(timeout=60) is None
+        pool.shutdown(wait=False)
+        for averager in group[:2]:
+            report = averager.last_round
+            assert not report.complete and list(report.missing) == [poisoned]
+            assert "NaN" in report.missing[poisoned]
+            with averager.get_tensors() as tensors:
+                for tensor, *inputs in zip(tensors, make_tensors(0), make_tensors(1), strict=True):
+                    torch.testing.assert_close(tensor, sum(inputs) / 2, rtol=1e-5, atol=1e-6)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        partial = [m for m in warnings if "NOT the mean over the whole group" in m]
+        assert len(partial) >= 2 and all(poisoned in m and "NaN" in m for m in partial), warnings
     finally:
         shutdown_all(group)
 
@@ -194,6 +227,7 @@ def test_client_mode_and_auxiliary_peers(swarm: list[hivemind.DHT]) -> None:
         step_all(group)
         expected = [sum(ts) / 3 for ts in zip(make_tensors(0), make_tensors(1), make_tensors(4), strict=True)]
         for averager in trainers:
+            assert averager.last_round.complete and averager.last_round.missing == {}  # the helper is no member
             with averager.get_tensors() as tensors:
                 for tensor, mean in zip(tensors, expected, strict=True):
                     torch.testing.assert_close(tensor, mean, rtol=1e-5, atol=1e-6)

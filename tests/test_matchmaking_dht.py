@@ -256,3 +256,37 @@ def test_consecutive_rounds_under_one_prefix(swarm) -> None:
         seen_ids.add(group.group_id)
     print("consecutive rounds, ms:", [round(t * 1000) for t in timings])
     assert max(timings) < 10.0, timings  # a full group forms at once, far before min_matchmaking_time (30 s)
+
+
+@pytest.mark.timeout(60)
+def test_peers_use_their_shards_boards_and_lonely_ones_meet_on_a_coarser_one(swarm) -> None:
+    # groups of 2 in a swarm of 8: shards of the last 2 digits; peers 4 and 5 are alone in theirs
+    name = prefix()
+    digits = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 0, 1), 3: (1, 0, 1), 4: (0, 1, 0), 5: (0, 1, 1)}
+    read: dict[int, list[int]] = {i: [] for i in digits}
+    matchmakers = [
+        Matchmaker(
+            MatchmakingConfig(prefix=name, target_group_size=2, min_matchmaking_time=1.0, request_timeout=1.0),
+            dht=swarm[i],
+            on_read=read[i].append,
+        )
+        for i in digits
+    ]
+
+    async def scenario():
+        deadline = get_dht_time() + 20
+        calls = [
+            m.look_for_group(deadline=deadline, digits=digits[i], expected_group_size=8)
+            for i, m in enumerate(matchmakers)
+        ]
+        return await asyncio.gather(*calls)
+
+    groups = groups_of(asyncio.run(scenario()))
+    assert sorted(sorted(m.peer_id for m in g.members) for g in groups.values()) == sorted(
+        sorted(peer_ids(swarm, pair)) for pair in [(0, 1), (2, 3), (4, 5)]
+    )
+    shard = asyncio.run(_board(swarm[0], f"{name}.m2.0-0"))  # peers 0 and 1 wrote only there
+    assert {key[0] for key in shard.markers} == peer_ids(swarm, (0, 1))
+    root = asyncio.run(_board(swarm[0], name))  # the lonely peers fell back to the prefix's board
+    assert {key[0] for key in root.markers} == peer_ids(swarm, (4, 5))
+    assert all(read[i] for i in digits), "every peer counted its reads"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +15,7 @@ from matchmaking_builders import board_of, config, declaration
 
 from hivemind_ext.averaging.matchmaking.board import board_key, declaration_write, parse_board, parse_record
 from hivemind_ext.averaging.matchmaking.group import Declaration, GroupInfo, looking_peers
-from hivemind_ext.averaging.matchmaking.protocol import Looking, fall_back, step
+from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Leading, Looking, fall_back, step
 from hivemind_ext.averaging.matchmaking.rotation import (
     DIGITS,
     Digits,
@@ -179,12 +180,20 @@ def test_peers_are_ranked_by_their_coordinates_from_the_most_recent_digit() -> N
     ]
 
 
-def test_a_peer_alone_in_its_shard_at_its_scheduled_time_falls_back_to_the_coarser_shard() -> None:
+def test_a_peer_in_no_full_group_of_its_shard_soon_falls_back_to_the_coarser_shard() -> None:
     cfg = config(target_group_size=4, digits=(0, 1, 2), shard_depth=2, min_matchmaking_time=1.0)
     me = Declaration(**{**declaration(1, prefix=cfg.group_key, ready_at=20.0).__dict__, "digits": cfg.digits})
-    assert not step(Looking(me), 19.0, board_of(me), cfg).fall_back
-    assert step(Looking(me), 20.0, board_of(me), cfg).fall_back
+    other = Declaration(**{**declaration(2, prefix=cfg.group_key, ready_at=20.0).__dict__, "digits": (3, 1, 2)})
+    soon = me.declared_at + SHARD_WAIT_POLLS * cfg.poll_interval
+    read = Looking(me, reads=SHARD_WAIT_POLLS)
+    assert not step(read, soon - 0.01, board_of(me, other), cfg).fall_back
+    assert step(read, soon, board_of(me, other), cfg).fall_back
+    assert not step(Looking(me), soon, board_of(me, other), cfg).fall_back, "nor before it read the board enough"
+    assert step(Looking(me), me.ready_at, board_of(me), cfg).fall_back, "alone at its scheduled time"
+    assert isinstance(step(Looking(me), me.ready_at, board_of(me, other), cfg).state, Leading), "2 form a group then"
+    assert not step(replace(read, arrived=soon - 0.1), soon, board_of(me), cfg).fall_back, "counts from arrival"
     coarse, state, left = fall_back(me, 20.0, cfg)
+    assert state.arrived == 20.0
     assert coarse.shard_depth == 1 and coarse.group_key == "run.m4.2"
     assert state.declaration.prefix == "run.m4.2" and state.declaration.member.attempt != me.member.attempt
     assert state.declaration.declared_at == me.declared_at and left.value == {"state": "left"}

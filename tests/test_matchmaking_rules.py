@@ -420,6 +420,8 @@ class _CommitBoard:
     """The matchmaker's DHT seam (``dht_calls=``), standing in for the DHT and its node: every store
     "fails" (as a timed-out or refused store does) and a read shows the commit if ``visible``."""
 
+    num_replicas = 5
+
     def __init__(self, visible: bool) -> None:
         self.visible = visible
         self.exchanges: list[tuple[tuple, bool]] = []  # (the records stored, whether the board was read)
@@ -434,11 +436,11 @@ class _CommitBoard:
         self.exchanges.append((self._stored, entries is not None))
         return stored, entries
 
-    async def store_many(self, keys: list, values: list, expirations: list, subkeys: list) -> dict:
+    async def store_many(self, keys: list, values: list, expirations: list, subkeys: list, **options) -> dict:
         self._stored = tuple(subkeys)
         return {key: False for key in keys}  # the store "failed"
 
-    async def get(self, key: str, latest: bool = True) -> SimpleNamespace | None:
+    async def get(self, key: str, latest: bool = True, **options) -> SimpleNamespace | None:
         if not self.visible:
             return None
         seal = sealed_write(SealedGroup(GROUP_ID, (LEADER,), get_dht_time() + 10), get_dht_time() + 30)

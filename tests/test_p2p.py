@@ -63,6 +63,7 @@ from hivemind_ext.p2p.framing import (
     open_header,
     read_frame,
 )
+from hivemind_ext.p2p.idle import IdleStreamError, StalledWriteError
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 NAMESPACE = "test"
@@ -410,6 +411,40 @@ async def test_stream_operations_respect_their_own_timeouts() -> None:
             assert 0.25 <= time.monotonic() - start < 1.5
             with pytest.raises(ClosedError):  # an interrupted operation closes the stream
                 await stream.send(Message())
+        await peers.honest_call_works()
+
+
+@pytest.mark.timeout(60)
+@async_test
+async def test_idle_timeouts_cut_streams_that_stop_moving_long_before_their_deadline() -> None:
+    """``idle_timeout`` bounds silence, not duration: a response that does not start, or a request
+    that the server stops taking, fails after the idle window though the deadline is far away."""
+    big = 64 * 1024 * 1024
+    async with served(HandlerConfig(limits=Limits(max_payload_bytes=2 * big), max_timeout=60.0)) as peers:
+
+        async def stuck(requests: AsyncIterator[Message], context: RPCContext) -> AsyncIterator[Message]:
+            await requests.receive()  # takes the first request, then neither reads nor answers
+            await asyncio.sleep(3600)
+            yield Message()
+
+        await peers.server.add_stream("stuck", stuck)
+        async with await peers.client.open_stream(peers.peer, "stuck", timeout=30) as stream:
+            await stream.send(Message({"first": 1}))
+            start = time.monotonic()
+            with pytest.raises(IdleStreamError):
+                await stream.receive(idle_timeout=0.5)
+            assert 0.4 <= time.monotonic() - start < 3.0
+        async with await peers.client.open_stream(peers.peer, "stuck", timeout=30) as stream:
+            await stream.send(Message({"first": 1}))
+            start = time.monotonic()
+            with pytest.raises(StalledWriteError):  # more than every buffer on the way holds
+                await stream.send(Message({}, bytearray(big)), idle_timeout=1.0)
+            assert time.monotonic() - start < 20.0
+        async with await peers.client.open_stream(peers.peer, "echo_stream", timeout=30) as stream:
+            for index in range(3):  # a stream that keeps moving is never cut by the idle window
+                await stream.send(Message({"i": index}, bytearray(4 * 1024 * 1024)), idle_timeout=1.0)
+                response = await stream.receive(idle_timeout=1.0)
+                assert response is not None and response.header == {"i": index}
         await peers.honest_call_works()
 
 

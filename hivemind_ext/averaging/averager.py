@@ -74,7 +74,13 @@ SIGNING_SETUP_TIMEOUT = 10.0  # how long the start waits for the DHT to take the
 
 @dataclasses.dataclass(frozen=True)
 class RoundReport:
-    """What the last finished round did (for logs, tests and benchmarks)."""
+    """What the last finished round did (for logs, tests and benchmarks).
+
+    ``complete`` is False when the result is not the mean over every contributing member of the
+    group: ``missing`` then says whose values are missing from some part, and why (a peer excluded
+    as too slow, broken or hostile, or an owner whose part kept local values). Such a round still
+    counts as a success (its step returns normally), as in hivemind, and is logged at WARNING.
+    """
 
     group_size: int
     contributors: tuple[tuple[str, ...], ...]  # per part
@@ -82,6 +88,7 @@ class RoundReport:
     bytes_sent: int
     bytes_received: int
     seconds: float
+    missing: dict[str, str] = dataclasses.field(default_factory=dict)  # contributing members left out, why
     part_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # values each owner reduced
     receive_rate: float | None = None  # bytes/s this peer received at (None: too little data to tell)
     # groupmate -> the path this peer's streams to it took: "direct" (encrypted), "direct-plaintext" or
@@ -89,6 +96,10 @@ class RoundReport:
     transports: dict[str, str] = dataclasses.field(default_factory=dict)
     # groupmate -> why the direct path to it failed (the typed error), for the pairs that fell back to libp2p
     direct_failures: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
 
 
 class DecentralizedAverager:
@@ -111,7 +122,10 @@ class DecentralizedAverager:
     :param part_size_bytes: all-reduce chunk size: parts are streamed and reduced in chunks of this size
       (default 2 MiB, larger than hivemind's 512 KiB: fewer, larger frames measured 20-30% faster)
     :param allreduce_timeout: an all-reduce round gives up on missing peers after this many seconds
-    :param next_chunk_timeout: a peer that sends nothing for this long is excluded from the round
+    :param next_chunk_timeout: a peer whose stream moves no byte for this long while one is due is
+      excluded from the round's part (an idle window: a slow link that keeps moving is waited for, up
+      to ``allreduce_timeout``; see ``AllreduceConfig.next_chunk_timeout``). A round that leaves anyone
+      out still succeeds, says so in ``last_round.missing`` / ``last_round.complete`` and logs a WARNING
     :param compression: the codec for all-reduce traffic (ours, or a hivemind codec object)
     :param state_compression: the codec for state downloads
     :param tensor_infos: CompressionInfo per tensor (keys and roles for adaptive codecs)
@@ -376,7 +390,13 @@ class DecentralizedAverager:
         self._service.on_early_stream = self._on_early_stream
         await self._service.start()
         dht_calls = runtime.dht_calls
-        self._matchmaker = Matchmaker(self.matchmaking_config, dht=self.dht, peer_id=p2p.peer_id, dht_calls=dht_calls)
+        self._matchmaker = Matchmaker(
+            self.matchmaking_config,
+            dht=self.dht,
+            peer_id=p2p.peer_id,
+            dht_calls=dht_calls,
+            on_read=round_stats_of(runtime).record_board_read,
+        )
         target = self.matchmaking_config.target_group_size
         if target is not None and target >= 2:  # rotating groups (see .matchmaking.rotation); bits take precedence
             self._digits = initial_digits(p2p.peer_id.to_base58(), target)
@@ -689,12 +709,19 @@ class DecentralizedAverager:
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
             seconds=get_dht_time() - started,
+            missing={str(peer): reason for peer, reason in result.missing.items()},
             part_sizes={str(part.owner): part.end - part.start for part in result.parts},
             receive_rate=result.receive_rate,
             **self._transports_since(opened_after),
         )
         self.throughput.update(result.receive_rate)
         control.report = self.last_round
+        if not self.last_round.complete and not self.auxiliary:
+            missing = "; ".join(f"{peer}: {reason}" for peer, reason in sorted(self.last_round.missing.items()))
+            logger.warning(
+                f"{self.prefix}: the round of {group.size} peers is NOT the mean over the whole group: "
+                f"{len(self.last_round.missing)} peer(s) missing from some part ({missing})"
+            )
         if self._runtime is not None:
             round_stats_of(self._runtime).record_allreduce(
                 seconds=self.last_round.seconds, bytes_sent=result.bytes_sent, bytes_received=result.bytes_received

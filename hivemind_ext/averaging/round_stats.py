@@ -6,6 +6,7 @@ algorithm's) adds to the same :class:`RoundStats`, the one of its :class:`~hivem
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ class RoundCounts:
     :param last_round_seconds: how long the all-reduce of the last round that began one took (None: none yet)
     :param last_round_ok: whether the last step that ended succeeded (None: none yet)
     :param bytes_sent / bytes_received: all-reduce payload bytes, all rounds together
+    :param board_reads / board_bytes_read: matchmaking reads of the DHT and the records' bytes they
+      returned (signed subkeys and msgpack values), all rounds together: what a poll costs
     """
 
     rounds_ok: int = 0
@@ -31,6 +34,8 @@ class RoundCounts:
     last_round_ok: bool | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
+    board_reads: int = 0
+    board_bytes_read: int = 0
 
 
 class RoundStats:
@@ -43,25 +48,29 @@ class RoundStats:
     def record_allreduce(self, *, seconds: float, bytes_sent: int, bytes_received: int) -> None:
         with self._lock:
             counts = self._counts
-            self._counts = RoundCounts(
-                counts.rounds_ok,
-                counts.rounds_failed,
-                float(seconds),
-                counts.last_round_ok,
-                counts.bytes_sent + int(bytes_sent),
-                counts.bytes_received + int(bytes_received),
+            self._counts = dataclasses.replace(
+                counts,
+                last_round_seconds=float(seconds),
+                bytes_sent=counts.bytes_sent + int(bytes_sent),
+                bytes_received=counts.bytes_received + int(bytes_received),
             )
 
     def record_result(self, ok: bool) -> None:
         with self._lock:
             counts = self._counts
-            self._counts = RoundCounts(
-                counts.rounds_ok + int(ok),
-                counts.rounds_failed + int(not ok),
-                counts.last_round_seconds,
-                ok,
-                counts.bytes_sent,
-                counts.bytes_received,
+            self._counts = dataclasses.replace(
+                counts,
+                rounds_ok=counts.rounds_ok + int(ok),
+                rounds_failed=counts.rounds_failed + int(not ok),
+                last_round_ok=ok,
+            )
+
+    def record_board_read(self, num_bytes: int) -> None:
+        """One matchmaking read of the DHT that returned ``num_bytes`` of records."""
+        with self._lock:
+            counts = self._counts
+            self._counts = dataclasses.replace(
+                counts, board_reads=counts.board_reads + 1, board_bytes_read=counts.board_bytes_read + int(num_bytes)
             )
 
     def snapshot(self) -> RoundCounts:

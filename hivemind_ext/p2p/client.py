@@ -237,23 +237,39 @@ class ClientStream:
         if abort:
             self._stream.abort()
 
-    async def send(self, message: Message, *, timeout: float | None = None, deadline: float | None = None) -> None:
-        """Sends one request (its payload is written from the caller's memory: don't modify it meanwhile)."""
+    async def send(
+        self,
+        message: Message,
+        *,
+        timeout: float | None = None,
+        deadline: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> None:
+        """Sends one request (its payload is written from the caller's memory: don't modify it meanwhile).
+
+        ``idle_timeout``: the send also fails (StalledWriteError, a DeadlineExceededError) once the
+        peer has taken none of its bytes for this long, however far the deadline is: a large message
+        on a slow link may take long, as long as it keeps moving."""
         if self._ended_requests:
             raise ClosedError(f"stream {self.name}@{self.peer_id}: send() after end()")
-        await self._send(FrameKind.MESSAGE, message.header, message.payload_view(), self._deadline(timeout, deadline))
+        payload, deadline = message.payload_view(), self._deadline(timeout, deadline)
+        await self._send(FrameKind.MESSAGE, message.header, payload, deadline, idle_timeout)
 
-    async def end(self, *, timeout: float | None = None, deadline: float | None = None) -> None:
+    async def end(
+        self, *, timeout: float | None = None, deadline: float | None = None, idle_timeout: float | None = None
+    ) -> None:
         """Tells the server that no more requests follow (responses may still arrive)."""
         if self._ended_requests:
             return
-        await self._send(FrameKind.END, {}, memoryview(b""), self._deadline(timeout, deadline))
+        await self._send(FrameKind.END, {}, memoryview(b""), self._deadline(timeout, deadline), idle_timeout)
         self._ended_requests = True
 
-    async def _send(self, kind: FrameKind, header: Any, payload: memoryview, deadline: float) -> None:
+    async def _send(
+        self, kind: FrameKind, header: Any, payload: memoryview, deadline: float, idle_timeout: float | None
+    ) -> None:
         self._check_usable()
         try:
-            await self._stream.send(kind, header, payload, deadline)
+            await self._stream.send(kind, header, payload, deadline, idle_timeout)
         except ProtocolError:
             raise  # raised before the first byte was written (invalid or oversized): the stream is intact
         except PeerUnreachableError as e:
@@ -263,12 +279,17 @@ class ClientStream:
             self._fail(e)
             raise
 
-    async def receive(self, *, timeout: float | None = None, deadline: float | None = None) -> Message | None:
-        """The next response, or ``None`` once the server has ended the stream."""
+    async def receive(
+        self, *, timeout: float | None = None, deadline: float | None = None, idle_timeout: float | None = None
+    ) -> Message | None:
+        """The next response, or ``None`` once the server has ended the stream.
+
+        ``idle_timeout``: also fails (IdleStreamError, a ProtocolError) once no byte of the response
+        has arrived for this long, however far the deadline is (see ``framing.read_frame``)."""
         if self._ended_responses:
             return None
         try:
-            frame = await self._stream.receive(self._deadline(timeout, deadline))
+            frame = await self._stream.receive(self._deadline(timeout, deadline), idle_timeout)
         except BaseException as e:
             if self._failure is not None and not isinstance(e, asyncio.CancelledError | DeadlineExceededError):
                 raise self._failure from None  # the sending side failed first; that is the real cause

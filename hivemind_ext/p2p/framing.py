@@ -138,20 +138,57 @@ def unpack_header(raw: bytes) -> dict[Any, Any]:
     return header
 
 
-async def write_frame(writer: asyncio.StreamWriter, head: bytes, payload: memoryview, *, deadline: float) -> None:
+async def write_frame(
+    writer: asyncio.StreamWriter,
+    head: bytes,
+    payload: memoryview,
+    *,
+    deadline: float,
+    idle_timeout: float | None = None,
+) -> None:
     """Writes one frame (``head`` from :func:`encode_frame_head`, then ``payload`` from the caller's
-    memory) and waits until the transport has taken it, or raises at ``deadline``."""
-    await wait_until(_write_frame(writer, head, payload), deadline, "writing a frame")
+    memory) and waits until the transport has taken it, or raises at ``deadline``; with
+    ``idle_timeout``, also (StalledWriteError) once the transport has taken none of its bytes for
+    that long: a slow link that keeps draining is alive, a peer that stopped reading is not."""
+    await wait_until(_write_watched(writer, head, payload, idle_timeout), deadline, "writing a frame")
 
 
-async def _write_frame(writer: asyncio.StreamWriter, head: bytes, payload: memoryview) -> None:
+async def _write_watched(
+    writer: asyncio.StreamWriter, head: bytes, payload: memoryview, idle_timeout: float | None
+) -> None:
+    progress = WriteProgress(writer)
+    work = _write_frame(writer, head, payload, progress)
+    if idle_timeout is None:
+        return await work
+    return await unless_idle(work, idle_timeout, progress, "while we wrote a frame", writing=True)
+
+
+class WriteProgress:
+    """Bytes of one frame that the transport has passed on (written, less what it still buffers)."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.transport = writer.transport
+        self.written = 0
+
+    def __call__(self) -> int:
+        try:
+            return self.written - self.transport.get_write_buffer_size()
+        except (AttributeError, RuntimeError):  # a closed transport: progress stops, the write fails anyway
+            return self.written
+
+
+async def _write_frame(writer: asyncio.StreamWriter, head: bytes, payload: memoryview, progress: WriteProgress) -> None:
     try:
         if payload.nbytes <= COALESCE_BYTES:
             writer.write(head + payload)  # copying a few KiB is cheaper than a second send() syscall
+            progress.written += len(head) + payload.nbytes
         else:
             writer.write(head)
+            progress.written += len(head)
             for start in range(0, payload.nbytes, WRITE_CHUNK_BYTES):
-                writer.write(payload[start : start + WRITE_CHUNK_BYTES])
+                piece = payload[start : start + WRITE_CHUNK_BYTES]
+                writer.write(piece)
+                progress.written += piece.nbytes
                 await writer.drain()
         await writer.drain()
     except (ConnectionError, OSError) as e:
@@ -166,23 +203,40 @@ def write_frame_nowait(writer: asyncio.StreamWriter, kind: FrameKind, header: Ma
 
 
 async def read_frame(
-    reader: ByteReader, *, limits: Limits, deadline: float, account: ReceiveAccount | None = None
+    reader: ByteReader,
+    *,
+    limits: Limits,
+    deadline: float,
+    account: ReceiveAccount | None = None,
+    idle_timeout: float | None = None,
 ) -> Frame:
     """Reads one frame, or raises at ``deadline``.
 
     Raises :class:`PeerUnreachableError` if the stream ends cleanly before the frame starts,
     :class:`ProtocolError` if it is malformed, cut short or stalls for ``limits.idle_timeout``
     inside the frame, :class:`MessageTooLargeError` if it declares more than ``limits`` allow
-    (before allocating) or the sender's ``account`` is over its budget.
+    (before allocating) or the sender's ``account`` is over its budget. With ``idle_timeout``, a
+    frame that is due must also keep coming: no byte of it (its start included) for that long
+    raises :class:`~hivemind_ext.p2p.idle.IdleStreamError`, however far ``deadline`` is.
     """
     account = account if account is not None else ReceiveAccount()
     try:
-        return await wait_until(_read_frame(reader, limits, account), deadline, "reading a frame")
+        return await wait_until(_read_watched(reader, limits, account, idle_timeout), deadline, "reading a frame")
     finally:
         account.release()
 
 
-async def _read_frame(reader: ByteReader, limits: Limits, account: ReceiveAccount) -> Frame:
+async def _read_watched(
+    reader: ByteReader, limits: Limits, account: ReceiveAccount, idle_timeout: float | None
+) -> Frame:
+    progress = Progress(reader)
+    work = _read_frame(reader, limits, account, progress)
+    if idle_timeout is None:
+        return await work
+    return await unless_idle(work, idle_timeout, progress, "while a frame was due")
+
+
+async def _read_frame(reader: ByteReader, limits: Limits, account: ReceiveAccount, progress: Progress) -> Frame:
     try:
         prefix = await reader.readexactly(PREFIX_BYTES)
     except asyncio.IncompleteReadError as e:
@@ -191,8 +245,8 @@ async def _read_frame(reader: ByteReader, limits: Limits, account: ReceiveAccoun
         raise ProtocolError(f"stream ended inside a frame prefix ({len(e.partial)} of {PREFIX_BYTES} bytes)") from None
     except (ConnectionError, OSError) as e:
         raise PeerUnreachableError(f"stream broke while reading: {type(e).__name__}: {e}") from e
+    progress.filled += PREFIX_BYTES
     kind, header_nbytes, payload_nbytes = decode_prefix(prefix, limits)
-    progress = Progress(reader)
     try:
         return await unless_idle(
             _read_body(reader, kind, header_nbytes, payload_nbytes, account, progress),
@@ -215,6 +269,7 @@ async def _read_body(
     progress: Progress,
 ) -> Frame:
     header = unpack_header(await reader.readexactly(header_nbytes))
+    progress.filled += header_nbytes
     return Frame(kind, header, await read_payload(reader, payload_nbytes, account, progress))
 
 

@@ -1,10 +1,11 @@
-"""Awaiting a read that must keep making progress: :func:`unless_idle`.
+"""Awaiting a transfer that must keep making progress: :func:`unless_idle`.
 
 A frame's bytes may take long to arrive (a large payload on a slow link), so its read has no
 deadline of its own beyond the call's; but a peer that stops sending in the middle of a frame
 holds that frame's buffer for nothing. :func:`unless_idle` raises once ``progress()`` (a count of
-bytes received) has not moved for ``seconds``: one timer every ``seconds``, not one per read, so
-it costs nothing on a busy stream.
+bytes received, or taken by the transport on the way out) has not moved for ``seconds``: one timer
+every ``seconds``, not one per read, so it costs nothing on a busy stream. A transfer that keeps
+moving at whatever rate the link allows is never cut: only silence is.
 """
 
 from __future__ import annotations
@@ -15,22 +16,36 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from hivemind_ext.errors import ProtocolError
+from hivemind_ext.errors import DeadlineExceededError, ProtocolError
 
 T = TypeVar("T")
 Progress = Callable[[], int]
 
 
 class IdleStreamError(ProtocolError):
-    """The peer sent nothing for the idle timeout in the middle of a frame."""
+    """The peer sent nothing for the idle timeout (in the middle of a frame, or while one was due)."""
 
 
-async def unless_idle(work: Coroutine[Any, Any, T], seconds: float, progress: Progress, what: str) -> T:
-    """Awaits ``work``; cancels it and raises :class:`IdleStreamError` if ``progress()`` stays the
-    same for ``seconds``. Cancellation from outside propagates unchanged."""
+class StalledWriteError(DeadlineExceededError):
+    """The peer took none of our bytes for the idle timeout while a frame was being written (it
+    stopped reading): the frame is cut short, so the stream cannot be used any more."""
+
+
+async def unless_idle(
+    work: Coroutine[Any, Any, T], seconds: float, progress: Progress, what: str, *, writing: bool = False
+) -> T:
+    """Awaits ``work``; cancels it and raises :class:`IdleStreamError` (:class:`StalledWriteError`
+    if ``writing``) if ``progress()`` stays the same for ``seconds``. Cancellation from outside
+    propagates unchanged."""
     if sys.version_info >= (3, 11):
-        return await _with_timeout_scope(work, seconds, progress, what)
-    return await _with_child_task(work, seconds, progress, what)  # pragma: no cover - Python 3.10
+        return await _with_timeout_scope(work, seconds, progress, what, writing)
+    return await _with_child_task(work, seconds, progress, what, writing)  # pragma: no cover - Python 3.10
+
+
+def _idle_error(seconds: float, what: str, writing: bool) -> Exception:
+    if writing:
+        return StalledWriteError(f"the peer took none of our bytes for {seconds:g} s {what}")
+    return IdleStreamError(f"the peer sent nothing for {seconds:g} s {what}")
 
 
 class _Watchdog:
@@ -60,7 +75,9 @@ class _Watchdog:
         self.handle = self.scope = None  # no cycle through the timer's callback outlives the read
 
 
-async def _with_timeout_scope(work: Coroutine[Any, Any, T], seconds: float, progress: Progress, what: str) -> T:
+async def _with_timeout_scope(
+    work: Coroutine[Any, Any, T], seconds: float, progress: Progress, what: str, writing: bool
+) -> T:
     watchdog: _Watchdog | None = None
     try:
         async with asyncio.timeout(None) as scope:
@@ -69,14 +86,14 @@ async def _with_timeout_scope(work: Coroutine[Any, Any, T], seconds: float, prog
     except TimeoutError:
         if watchdog is None or not watchdog.fired:
             raise
-        raise IdleStreamError(f"the peer sent nothing for {seconds} s {what}") from None
+        raise _idle_error(seconds, what, writing) from None
     finally:
         if watchdog is not None:
             watchdog.stop()
 
 
 async def _with_child_task(
-    work: Coroutine[Any, Any, T], seconds: float, progress: Progress, what: str
+    work: Coroutine[Any, Any, T], seconds: float, progress: Progress, what: str, writing: bool
 ) -> T:  # pragma: no cover - Python 3.10 only (no asyncio.timeout there)
     task = asyncio.ensure_future(work)
     try:
@@ -94,4 +111,4 @@ async def _with_child_task(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    raise IdleStreamError(f"the peer sent nothing for {seconds} s {what}")
+    raise _idle_error(seconds, what, writing)

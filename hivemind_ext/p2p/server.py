@@ -62,7 +62,10 @@ from hivemind_ext.p2p.wire_errors import ErrorKind
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONTROL_TIMEOUT = 10.0  # registering / removing a handler is a round trip to the local daemon
-# After its last frame, the server waits this long for the caller to hang up (see FramedStream.linger).
+# After its last frame, the server waits this long for the caller to hang up (see FramedStream.linger);
+# after a call whose last response went out, until the call's deadline if that is later: on a thin link
+# the caller may need many seconds to take the last responses out of the daemons' buffers, and closing
+# our end before it has them resets the stream (it would lose their tail).
 LINGER_SECONDS = 2.0
 # A ticket request is a small header (a count) and a response is ~1.5 KiB: nothing bigger is accepted.
 TICKET_HANDLER_CONFIG = HandlerConfig(
@@ -374,6 +377,7 @@ class RPCServer:
     async def _serve_adopted(self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Transport) -> None:
         route.active_calls += 1
         route.calls_per_peer[peer_id] += 1
+        linger = LINGER_SECONDS
         try:
             if route.active_calls > route.config.max_concurrent_calls:
                 busy = ClosedError(f"{route.name} is serving {route.config.max_concurrent_calls} calls already")
@@ -388,8 +392,10 @@ class RPCServer:
                 busy = ClosedError(f"{route.name} is serving {limit} calls of {peer_id} already")
                 report(stream, ErrorKind.UNAVAILABLE, busy)
             else:
-                await serve_call(route, peer_id, stream, transport)
-            await stream.linger(LINGER_SECONDS)
+                answered_by = await serve_call(route, peer_id, stream, transport)
+                if answered_by is not None:
+                    linger = max(linger, answered_by - now())
+            await stream.linger(linger)
         except asyncio.CancelledError:
             report(stream, ErrorKind.UNAVAILABLE, ClosedError("the server is shutting down"))
             raise

@@ -124,15 +124,25 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Message:
+        message = await self.receive()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+    async def receive(self, *, idle_timeout: float | None = None) -> Message | None:
+        """The next request, or None once the caller has ended its requests (by the call's deadline).
+
+        ``idle_timeout``: also fails (IdleStreamError, a ProtocolError) once no byte of the request
+        has arrived for this long: a caller that keeps sending, however slowly, is waited for."""
         if self.error is not None:
             raise self.error
         if self._ended:
-            raise StopAsyncIteration
+            return None
         try:
-            frame = await self._stream.receive(self._deadline)
+            frame = await self._stream.receive(self._deadline, idle_timeout)
             if frame.kind is FrameKind.END:
                 self._ended = True
-                raise StopAsyncIteration
+                return None
             if frame.kind is not FrameKind.MESSAGE:
                 raise ProtocolError(f"unexpected {frame.kind.name} frame in a request stream")
         except HivemindExtError as e:
@@ -141,29 +151,34 @@ class RequestStream:
         return Message(frame.header, frame.payload)
 
 
-async def serve_call(route: Route, peer_id: PeerID, stream: FramedStream, transport: Transport = "libp2p") -> None:
-    """Serves one call on a freshly opened stream; reports every failure to the caller, raises only CancelledError."""
+async def serve_call(
+    route: Route, peer_id: PeerID, stream: FramedStream, transport: Transport = "libp2p"
+) -> float | None:
+    """Serves one call on a freshly opened stream; reports every failure to the caller, raises only
+    CancelledError. Returns the call's deadline if its last response went out, else None (the server
+    then waits at most that long for the caller to take it all and hang up, see ``RPCServer``)."""
     try:
         caller_timeout = parse_open(await stream.receive(now() + route.config.open_timeout))
     except HivemindExtError as e:
         _report_layer_error(stream, e, route, peer_id)
-        return
+        return None
     deadline = now() + min(caller_timeout, route.config.max_timeout)
     context = RPCContext(peer_id=peer_id, handler=route.name, deadline=deadline, transport=transport)
     if route.kind == "unary":
-        await _serve_unary(route, stream, context)
+        answered = await _serve_unary(route, stream, context)
     else:
-        await _serve_stream(route, stream, context)
+        answered = await _serve_stream(route, stream, context)
+    return deadline if answered else None
 
 
-async def _serve_unary(route: Route, stream: FramedStream, context: RPCContext) -> None:
+async def _serve_unary(route: Route, stream: FramedStream, context: RPCContext) -> bool:
     try:
         frame = await stream.receive(context.deadline)
         if frame.kind is not FrameKind.MESSAGE:
             raise ProtocolError(f"expected a request MESSAGE frame, got {frame.kind.name}")
     except HivemindExtError as e:
         _report_layer_error(stream, e, route, context.peer_id)
-        return
+        return False
     try:
         response = await _unless_caller_leaves(
             stream,
@@ -174,19 +189,22 @@ async def _serve_unary(route: Route, stream: FramedStream, context: RPCContext) 
             ),
         )
         await stream.send_encoded(*_encode_response(response, stream), context.deadline)
+        return True
     except _HandlerFailed as failure:
         _report_handler_error(stream, failure.error, route, context)
     except HivemindExtError as e:
         _report_layer_error(stream, e, route, context.peer_id)
+    return False
 
 
-async def _serve_stream(route: Route, stream: FramedStream, context: RPCContext) -> None:
+async def _serve_stream(route: Route, stream: FramedStream, context: RPCContext) -> bool:
     requests = RequestStream(stream, context.deadline)
     try:
         await wait_until(_pump_responses(route, requests, stream, context), context.deadline, f"handler {route.name}")
         if requests.error is not None:  # the handler swallowed a broken request stream: don't pretend success
             raise requests.error
         await stream.send(FrameKind.END, {}, memoryview(b""), context.deadline)
+        return True
     except _HandlerFailed as failure:
         if requests.error is not None:  # the handler failed because the request stream did
             _report_layer_error(stream, requests.error, route, context.peer_id)
@@ -194,6 +212,7 @@ async def _serve_stream(route: Route, stream: FramedStream, context: RPCContext)
             _report_handler_error(stream, failure.error, route, context)
     except HivemindExtError as e:
         _report_layer_error(stream, requests.error or e, route, context.peer_id)
+    return False
 
 
 def _encode_response(response: Any, stream: FramedStream) -> tuple[bytes, memoryview]:

@@ -69,18 +69,29 @@ class FramedStream:
         self._finished_sending = False  # an END or ERROR frame went out: nothing may follow it
         self._receive_lock = asyncio.Lock()
 
-    async def send(self, kind: FrameKind, header: Mapping[Any, Any], payload: memoryview, deadline: float) -> None:
+    async def send(
+        self,
+        kind: FrameKind,
+        header: Mapping[Any, Any],
+        payload: memoryview,
+        deadline: float,
+        idle_timeout: float | None = None,
+    ) -> None:
         """Writes one frame. Size and type checks happen before the first byte is written, so a
-        ProtocolError (or MessageTooLargeError) from here leaves the stream intact."""
-        await self.send_encoded(encode_frame_head(kind, header, payload.nbytes, self.limits), payload, deadline)
+        ProtocolError (or MessageTooLargeError) from here leaves the stream intact. ``idle_timeout``:
+        see :func:`~hivemind_ext.p2p.framing.write_frame`."""
+        head = encode_frame_head(kind, header, payload.nbytes, self.limits)
+        await self.send_encoded(head, payload, deadline, idle_timeout)
         if kind in (FrameKind.END, FrameKind.ERROR):
             self._finished_sending = True
 
-    async def send_encoded(self, head: bytes, payload: memoryview, deadline: float) -> None:
+    async def send_encoded(
+        self, head: bytes, payload: memoryview, deadline: float, idle_timeout: float | None = None
+    ) -> None:
         """Writes a frame whose head was encoded (and checked) in advance by ``encode_frame_head``."""
         async with self._send_lock:
             self._send_interrupted = True  # stays set if the write fails midway: a partial frame was sent
-            await write_frame(self.writer, head, payload, deadline=deadline)
+            await write_frame(self.writer, head, payload, deadline=deadline, idle_timeout=idle_timeout)
             self._send_interrupted = False
 
     @property
@@ -101,9 +112,12 @@ class FramedStream:
             self._finished_sending = True
         return True
 
-    async def receive(self, deadline: float) -> Frame:
+    async def receive(self, deadline: float, idle_timeout: float | None = None) -> Frame:
+        """The next frame, by ``deadline``; ``idle_timeout``: see :func:`~hivemind_ext.p2p.framing.read_frame`."""
         async with self._receive_lock:
-            return await read_frame(self.reader, limits=self.limits, deadline=deadline, account=self.account)
+            return await read_frame(
+                self.reader, limits=self.limits, deadline=deadline, account=self.account, idle_timeout=idle_timeout
+            )
 
     async def wait_peer_gone(self) -> bool:
         """Waits until the peer closes the stream (True) or sends more bytes (False), consuming them.

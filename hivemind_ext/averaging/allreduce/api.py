@@ -28,7 +28,7 @@ from hivemind_ext.p2p import Message
 # Measured with 4 peers x 16M float32 values on 2 cores (benchmarks/allreduce.py, one process): rounds
 # with 256 KiB / 512 KiB / 1 MiB / 2 MiB / 4 MiB chunks took 1.28 / 1.14 / 1.02 / 0.96 / 0.91 s with
 # no compression and 0.86 / 0.61 / 0.48 / 0.47 / 0.44 s with MinMaxUInt8 (per-chunk overhead); 2 MiB
-# keeps most of the gain while a chunk still crosses a slow (10 MB/s) link well within next_chunk_timeout.
+# keeps most of the gain (next_chunk_timeout is an idle window, so a chunk may take any time to cross a thin link).
 DEFAULT_PART_SIZE_BYTES = 2**21
 DEFAULT_NEXT_CHUNK_TIMEOUT = 5.0
 DEFAULT_ALLREDUCE_TIMEOUT = 60.0
@@ -43,9 +43,13 @@ class AllreduceConfig:
     :param compression: the codec for chunks in both directions (ours, or a hivemind codec object)
     :param part_size_bytes: chunks hold at most this many bytes of uncompressed values (members
       that disagree cannot average with each other: their layouts differ)
-    :param next_chunk_timeout: a peer that leaves this long between two messages of a stream (or
-      an owner that does not hear from a sender this long after the round started) is excluded;
-      ``None``: the default (5 s)
+    :param next_chunk_timeout: the idle window. A stream of the round on which no byte moves for
+      this long while one is due (a sender's next chunk, an owner's next averaged chunk, our own
+      write that the peer stops taking) is cut and its peer excluded from that part; a sender must
+      also JOIN within this long of the owner's start. A transfer that keeps moving is never cut,
+      however slow the link: a chunk may take far longer than this to cross a thin link (hivemind's
+      keyword, which there bounds each chunk's whole transfer, has this meaning here); the round's
+      ``allreduce_timeout`` bounds everything. ``None``: the default (5 s)
     :param allreduce_timeout: the whole round ends within this many seconds (plus a small margin)
       of its start, whatever other peers do; ``None``: the default (60 s)
     :param collect_timeout: owners stop waiting for slow senders this many seconds after the start
@@ -167,6 +171,8 @@ class AllreduceResult:
     :param gathered: every member's ``gather`` data that reached this peer, by peer id
     :param bytes_sent / bytes_received: message payload bytes this peer put on / took off the
       network (chunks both ways, gather data; not frame headers)
+    :param members: the group's contributing members (all but auxiliary ones), in member order:
+      whose values a complete round averages (see :attr:`missing`)
     :param receive_rate: bytes/s at which this peer received during the round, what its
       throughput estimate learns from (see :mod:`.throughput`); None if the round moved too little
     """
@@ -177,6 +183,7 @@ class AllreduceResult:
     gathered: dict[PeerID, Any]
     bytes_sent: int
     bytes_received: int
+    members: tuple[PeerID, ...] = ()
     receive_rate: float | None = None
 
     @property
@@ -187,3 +194,30 @@ class AllreduceResult:
     @property
     def all_averaged(self) -> bool:
         return all(part.averaged for part in self.parts)
+
+    @property
+    def missing(self) -> dict[PeerID, str]:
+        """Contributing members whose values are missing from some part of this peer's result, with
+        why (the first reason found): empty when the result is the weighted mean over the whole group
+        everywhere. A round with anyone missing still succeeds (faults are tolerated), but its result
+        is not the group's mean: callers that need the full mean must check this (or :attr:`complete`).
+        An auxiliary peer without tensors only judges the part it reduced."""
+        missing: dict[PeerID, str] = {}
+        for part in self.parts:
+            if not part.averaged and not part.contributors:
+                continue  # an auxiliary peer's view of another owner's part: it holds nothing there
+            for member in self.members:
+                if member in part.contributors or member in missing:
+                    continue
+                if member in self.excluded:
+                    missing[member] = self.excluded[member]
+                elif not part.averaged:
+                    missing[member] = f"part {part.start}:{part.end} kept local values: {part.reason or 'not averaged'}"
+                else:
+                    missing[member] = f"left out of the average of part {part.start}:{part.end}"
+        return missing
+
+    @property
+    def complete(self) -> bool:
+        """Whether every part holds the weighted mean over every contributing member (see :attr:`missing`)."""
+        return not self.missing

@@ -16,8 +16,9 @@ Life of the part (:meth:`OwnedPart.run`)::
       round with identical values (the round then waits, until its deadline, for the senders
       to hang up: only then has the average surely left this machine)
 
-Each incoming stream runs :meth:`OwnedPart.serve`: join, then receive the sender's chunks, each
-wait bounded by ``next_chunk_timeout`` and the collect deadline, reducing each chunk as it arrives;
+Each incoming stream runs :meth:`OwnedPart.serve`: join, then receive the sender's chunks, reducing
+each chunk as it arrives, until the collect deadline; a sender whose stream moves no byte for
+``next_chunk_timeout`` while a chunk is due is cut (one that keeps sending, however slowly, is not);
 then wait for the publication and stream the result. A sender that breaks the protocol, sends
 invalid values or stalls is excluded: what it added is retracted, it gets a REFUSED message and
 its stream is closed, and the part goes on without it.
@@ -53,6 +54,7 @@ from hivemind_ext.errors import (
     ProtocolError,
 )
 from hivemind_ext.p2p import Message, RequestStream, now, wait_until
+from hivemind_ext.p2p.idle import IdleStreamError
 
 logger = logging.getLogger(__name__)
 
@@ -262,10 +264,13 @@ class OwnedPart:
     async def _receive_slice(self, sender: PeerID, requests: RequestStream) -> None:
         context, part = self.context, self.spec.owner
         while sender in self._pending:
-            cut_off = context.collect_deadline < context.chunk_deadline()
-            what = "delivering its slice before the collect deadline" if cut_off else "sending its next chunk"
-            deadline = min(context.chunk_deadline(), context.collect_deadline)
-            message = await wait_until(next_request(requests), deadline, what)
+            # a sender whose bytes keep coming is waited for (until the collect deadline), however thin
+            # its link; one that sends nothing for the idle window is cut (IdleStreamError)
+            message = await wait_until(
+                requests.receive(idle_timeout=context.idle_timeout),
+                context.collect_deadline,
+                "delivering its slice before the collect deadline",
+            )
             if message is None:
                 raise ProtocolError("ended its stream before sending its whole slice")
             context.traffic.received += _payload_bytes(message)
@@ -308,19 +313,13 @@ def _write_decoded(context: RoundContext, chunk: ChunkSpec, message: CompressedT
     context.tensors.write(chunk, decompress(message, device=context.tensors.device))
 
 
-async def next_request(requests: RequestStream) -> Message | None:
-    """The next request, or None at the end of the stream (StopAsyncIteration must not cross a task)."""
-    try:
-        return await requests.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
 def _payload_bytes(message: Message) -> int:
     return message.payload_view().nbytes
 
 
 def _reason(error: BaseException) -> str:
+    if isinstance(error, IdleStreamError):
+        return f"stalled: {error} (its next chunk)"
     if isinstance(error, DeadlineExceededError):
         return f"too slow: {error}"
     if isinstance(error, PeerUnreachableError):

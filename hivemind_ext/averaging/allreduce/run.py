@@ -113,6 +113,7 @@ class RoundRun:
             gathered={**dict.fromkeys(context.peers), **_decode_gathered(context.all_gathered())},
             bytes_sent=context.traffic.sent,
             bytes_received=context.traffic.received,
+            members=tuple(context.senders()),
             receive_rate=context.traffic.receive_rate(context.started),
         )
 

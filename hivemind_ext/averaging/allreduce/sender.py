@@ -4,9 +4,10 @@ One stream per owner, all owners at once. On each, a background task sends JOIN 
 (with ``offload_codecs``, chunk i + 1 is compressed in a worker thread while chunk i is written),
 while the calling task waits for the owner's RESULT and decodes each averaged chunk straight into
 the output tensors as it arrives. A NoCompression chunk is written from the caller's tensor
-itself: no copy is made on the way out. Every wait has a deadline: a write or a next chunk within
-``next_chunk_timeout``, the RESULT (which comes only once every sender of the part is done)
-within the round's deadline.
+itself: no copy is made on the way out. Every wait ends by the round's deadline, and writes and
+averaged chunks must also keep moving: a stream on which no byte moves for ``next_chunk_timeout``
+while one is due is given up (a slow link that keeps moving is not). The RESULT itself comes only
+once every sender of the part is done, so only the round's deadline bounds that wait.
 
 Whatever goes wrong with the owner (it is unreachable, refuses, stalls, breaks the protocol or
 sends an invalid average), the part keeps this member's own values and the outcome says so.
@@ -76,7 +77,7 @@ async def _exchange(context: RoundContext, client: RPCClient, owner: int) -> tup
                 raise failure from e  # the send failed first (e.g. a write timed out): that is the cause
             raise
         if not sending.done():  # the END frame may still be on its way out
-            await asyncio.wait([sending], timeout=max(0.0, context.chunk_deadline() - now()))
+            await asyncio.wait([sending], timeout=max(0.0, min(context.idle_timeout, context.deadline - now())))
         return contributors
 
 
@@ -102,7 +103,7 @@ async def _send_slice(context: RoundContext, stream: ClientStream, owner: int) -
             upcoming = _compress(context, chunks[index + 1]) if index + 1 < len(chunks) else None
             message = await hooks.before_send_chunk(peer, owner, index, chunk_message(compressed, index))
             await _send(context, stream, message)
-        await stream.end(deadline=context.chunk_deadline())
+        await stream.end(deadline=context.deadline, idle_timeout=context.idle_timeout)
     except BaseException:
         if upcoming is not None:  # its outcome no longer matters; don't let asyncio report it as lost
             upcoming.add_done_callback(_discard_outcome)
@@ -124,7 +125,7 @@ def _discard_outcome(future: asyncio.Future[object]) -> None:
 
 
 async def _send(context: RoundContext, stream: ClientStream, message: Message) -> None:
-    await stream.send(message, deadline=context.chunk_deadline())
+    await stream.send(message, deadline=context.deadline, idle_timeout=context.idle_timeout)
     context.traffic.sent += message.payload_view().nbytes
 
 
@@ -132,7 +133,8 @@ async def _receive_average(context: RoundContext, stream: ClientStream, owner: i
     """Reads RESULT and the averaged chunks, decoding each into the outputs in a worker thread
     while the next one arrives; returns the contributors."""
     part = _layout(context).parts[owner]
-    head = parse_result_head(await _receive(context, stream, context.deadline), context.name_set)
+    # RESULT comes once every sender of the part is done: silence until then is normal
+    head = parse_result_head(await _receive(context, stream, None), context.name_set)
     if context.names[context.me] not in head.contributors:
         raise ProtocolError("the owner's RESULT does not include this member, which delivered its whole slice")
     if head.num_chunks != len(part.chunks):
@@ -141,7 +143,7 @@ async def _receive_average(context: RoundContext, stream: ClientStream, owner: i
     decoding: list[asyncio.Future[None]] = []
     try:
         for index, chunk in enumerate(part.chunks):
-            received, compressed = parse_chunk(await _receive(context, stream, context.chunk_deadline()))
+            received, compressed = parse_chunk(await _receive(context, stream, context.idle_timeout))
             if received != index:
                 raise ProtocolError(f"expected averaged chunk {index}, got {received}")
             decoding.append(context.runner.submit(_decode_into_output, context, chunk, compressed))
@@ -154,8 +156,8 @@ async def _receive_average(context: RoundContext, stream: ClientStream, owner: i
     return tuple(PeerID.from_base58(name) for name in head.contributors)
 
 
-async def _receive(context: RoundContext, stream: ClientStream, deadline: float) -> Message:
-    message = await stream.receive(deadline=deadline)
+async def _receive(context: RoundContext, stream: ClientStream, idle_timeout: float | None) -> Message:
+    message = await stream.receive(deadline=context.deadline, idle_timeout=idle_timeout)
     if message is None:
         raise ProtocolError("the owner ended the stream before sending the whole average")
     context.traffic.received += message.payload_view().nbytes

@@ -46,17 +46,19 @@ with hivemind's test_allreduce_compression tensors (a client and a full peer), t
 error is 7.8e-9 (hivemind: 3.9e-6, plain float16 both ways: 2.0e-5).
 
 Faults (see :mod:`.owner` and :mod:`.sender`): a sender that does not join
-within ``next_chunk_timeout`` of the round's start, leaves more than ``next_chunk_timeout``
-between two chunks, is still sending at ``collect_timeout``, breaks the protocol or sends invalid
-values (wrong shape or dtype, undecodable, oversized, NaN / Inf) is excluded from that part and
-what it added is retracted: the part is the exact weighted mean over the senders that delivered
-all of it, and the result names them. A sender whose owner fails keeps its own values for that
-part. Every wait is bounded by the round's deadline (``allreduce_timeout`` from the start, or the
-caller's ``deadline`` if earlier), so a round returns by then plus a fraction of a second,
-whatever the other members do. Only typed errors leave ``run_round``: ConfigurationError for bad
-arguments, AllreduceError when this member cannot take part (not in the group, ...); failures of
-other members are reported in the result, never raised. Cancelling ``run_round`` cancels and
-awaits everything it started, including the handlers serving its part.
+within ``next_chunk_timeout`` of the round's start, sends no byte for ``next_chunk_timeout`` while
+a chunk is due (an idle window: a chunk that keeps coming, however slowly, is waited for), is still
+sending at ``collect_timeout``, breaks the protocol or sends invalid values (wrong shape or dtype,
+undecodable, oversized, NaN / Inf) is excluded from that part and what it added is retracted: the
+part is the exact weighted mean over the senders that delivered all of it, and the result names
+them (``AllreduceResult.missing`` / ``complete`` say whether the whole group is in every part).
+A sender whose owner fails keeps its own values for that part. Every wait is bounded by the
+round's deadline (``allreduce_timeout`` from the start, or the caller's ``deadline`` if earlier),
+so a round returns by then plus a fraction of a second, whatever the other members do. Only
+typed errors leave ``run_round``: ConfigurationError for bad arguments, AllreduceError when this
+member cannot take part (not in the group, ...); failures of other members are reported in the
+result, never raised. Cancelling ``run_round`` cancels and awaits everything it started,
+including the handlers serving its part.
 
 Gather: every sender puts its (packed) gather data into its JOIN to every owner; every owner
 echoes all the gather data it holds (its own, its senders', what other owners echoed to it) in
@@ -108,7 +110,6 @@ from hivemind_ext.averaging.allreduce.layout import (
     member_roles,
     plan_layout,
 )
-from hivemind_ext.averaging.allreduce.owner import next_request
 from hivemind_ext.averaging.allreduce.round_state import CodecRunner, RoundContext, RoundTensors
 from hivemind_ext.averaging.allreduce.run import MAX_GATHER_BYTES, RoundRun
 from hivemind_ext.averaging.allreduce.wire import (
@@ -348,7 +349,7 @@ class AllreduceService:
         """The ``"allreduce"`` handler: routes a stream to its round by the group id in its JOIN."""
         try:
             first = await wait_until(
-                next_request(requests), min(rpc.deadline, now() + FIRST_MESSAGE_TIMEOUT), "waiting for JOIN"
+                requests.receive(), min(rpc.deadline, now() + FIRST_MESSAGE_TIMEOUT), "waiting for JOIN"
             )
         except HivemindExtError:
             return  # the stream broke or stayed silent: the serving layer reports what it can

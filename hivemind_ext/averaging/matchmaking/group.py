@@ -12,8 +12,8 @@ The grouping rule (:func:`plan_groups`), applied to the peers that are looking f
   changes the groups of the peers that came before it, and peers with slightly different views of
   the DHT (one saw the newcomer, one did not) still agree on the senior groups. Peers with rotation
   coordinates (large swarms, see :mod:`.rotation`) are ranked by those first, so that each group
-  collects peers from different groups of the round before; given the swarm's size, they also
-  wait (until their scheduled time at most) for the shard's expected number of peers before
+  collects peers from different groups of the round before; given the swarm's size, peers on one
+  board for the whole swarm also wait (until their scheduled time at most) for all of it before
   forming full groups.
 - Before anyone's scheduled time, only *full* groups (``target_group_size`` peers) form, at once,
   from the most senior peers; the remainder keeps waiting for more peers. If that remainder would
@@ -335,12 +335,14 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
         if config.target_group_size is None and expected is not None and contributing >= expected:
             if count >= config.min_group_size:  # every expected contributor is here: one group, now
                 return [tuple(sorted(ranked, key=_member_order))]
-        if config.digits and config.target_group_size is not None and expected is not None:
-            # rotating groups (see .rotation): wait for the shard, so that groups mix
-            if contributing < expected_in_shard(expected, config.target_group_size, config.shard_depth):
+        if config.digits and not config.shard_depth and config.target_group_size is not None and expected is not None:
+            # rotating groups on one board (see .rotation): wait for the swarm, so that groups mix
+            if contributing < expected_in_shard(expected, config.target_group_size, 0):
                 return []
         groups, rest = divmod(count, target)
-        if config.target_group_size is None or 0 < rest < config.min_group_size:
+        # (in a shard, the rest falls back to the coarser shard's board soon: see .rotation)
+        stranded = 0 < rest < config.min_group_size and not config.shard_depth
+        if config.target_group_size is None or stranded:
             return []  # no group is full yet, or forming the full ones would strand the rest
         chosen = ranked[: groups * target]
     split = split_evenly(chosen, groups)

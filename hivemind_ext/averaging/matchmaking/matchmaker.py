@@ -20,6 +20,12 @@ of synchronous training start together), and feeds what it read to the pure stat
 poll is one call into the DHT process (:func:`_store_then_read`): the step's records are stored in
 one ``store_many`` (one request per replica), and right after a declaration the board is read in
 the same call, so peers that declared at the same moment see each other without waiting a poll.
+Both the store and the read look for only the ``num_replicas`` nodes nearest to the board's key
+(hivemind's default beam is its bucket size, 20: on a small swarm that visits every node, for every
+poll of every peer), and a store returns once one replica took it (the others are written in the
+background, and a read, which merges what every nearest node holds, finds it on that one); only the
+leader's commit waits for every replica. Measured on 9 DHT nodes on loopback, 8 calls at once:
+a store 35-70 ms instead of 85-90, a read 30 ms instead of 40-47.
 
 1. **Declare.** A peer stores a declaration under a fresh attempt token: peer id, role, bandwidth,
    when it started looking (seniority), its scheduled time and deadline. The declaration expires
@@ -112,12 +118,13 @@ import functools
 import logging
 import math
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from hivemind import DHT
 from hivemind.dht import DHTNode
 from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
@@ -158,6 +165,8 @@ class Matchmaker:
     :param dht_calls: the peer runtime's DHT helper (default: one of the matchmaker's own around ``dht``).
     :param signing_key: the RSA key the DHT signs this peer's records with (default: this DHT's, see
         :func:`~hivemind_ext.p2p.signing.default_signing_key`).
+    :param on_read: called with the bytes of records (signed subkeys and msgpack values) that each
+        read of the board returned, e.g. ``RoundStats.record_board_read`` (what a poll costs).
     """
 
     def __init__(
@@ -168,8 +177,10 @@ class Matchmaker:
         peer_id: PeerID | None = None,
         dht_calls: DHTCalls | None = None,
         signing_key: RSAPrivateKey | None = None,
+        on_read: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
+        self._on_read = on_read
         self.peer_id = peer_id if peer_id is not None else dht.peer_id
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
         if signing_key is None:
@@ -351,7 +362,7 @@ class Matchmaker:
         """
         group_id = group.group_id.hex()
         for _ in range(COMMIT_ATTEMPTS):  # a loaded DHT may time out a store: try again
-            stored, _ = await self._exchange(writes, False, deadline)
+            stored, _ = await self._exchange(writes, False, deadline, all_replicas=True)
             if stored:
                 return True
             _, board = await self._exchange((), True, deadline)
@@ -362,13 +373,15 @@ class Matchmaker:
             logger.debug("%s: storing the group's commit failed, retrying", self.peer_id)
         return False
 
-    async def _exchange(self, writes: tuple[Write, ...], read: bool, deadline: float) -> tuple[bool, Board | None]:
+    async def _exchange(
+        self, writes: tuple[Write, ...], read: bool, deadline: float, *, all_replicas: bool = False
+    ) -> tuple[bool, Board | None]:
         """Store ``writes`` (all in one DHT store), then, if ``read``, read the board: one call to the
         DHT process. Returns whether every write was stored, and the board (None if not read or the
         call failed). The protocol tolerates lost writes (except a leader's commit), so a failed
         write is only logged."""
         signed = tuple(dataclasses.replace(write, subkey=self._signed(write.subkey)) for write in writes)
-        request = functools.partial(_store_then_read, self._key, signed, read)
+        request = functools.partial(_store_then_read, self._key, signed, read, all_replicas)
         # at most request_timeout, and never past the deadline (a DHT time: converted to the loop clock)
         timeout = max(0.0, min(self.config.request_timeout, deadline - get_dht_time()))
         try:
@@ -385,6 +398,8 @@ class Matchmaker:
             logger.debug("some of the matchmaking records %s were not stored", [w.subkey for w in writes])
         if entries is None:
             return stored, None
+        if self._on_read is not None:
+            self._on_read(sum(_record_bytes(subkey, value) for subkey, value, _ in entries))
         now = get_dht_time()
         believed = authenticate_board(entries, self.owners, now)
         board = parse_board(self.config.group_key, believed, now, self.config.fingerprint)
@@ -411,12 +426,25 @@ class Matchmaker:
             logger.debug("could not store matchmaking record %s: %r", write.subkey, e)
 
 
+def _record_bytes(subkey: Any, value: Any) -> int:
+    """The size of one record as the DHT returned it (its subkey and its msgpack-encoded value)."""
+    size = len(subkey) if isinstance(subkey, (bytes, str)) else 0
+    try:
+        return size + len(MSGPackSerializer.dumps(value))
+    except Exception:  # a value msgpack cannot encode came from a hostile writer: count its subkey only
+        return size
+
+
 async def _store_then_read(
-    key: str, writes: tuple[Write, ...], read: bool, _dht: DHT, node: DHTNode
+    key: str, writes: tuple[Write, ...], read: bool, all_replicas: bool, _dht: DHT, node: DHTNode
 ) -> tuple[bool, list[tuple[Any, Any, float]] | None]:
     """Runs inside the DHT process (see ``DHT.run_coroutine``): one store of all ``writes`` (one
     request per replica, which applies them in order: whoever sees the leader's marker also sees its
-    group), then one ``get(latest=True)`` if ``read``. Returns plain values, as they cross a pipe."""
+    group), then one ``get(latest=True)`` if ``read``. Returns plain values, as they cross a pipe.
+
+    Both search only the ``num_replicas`` nearest nodes (see the module docstring); the store returns
+    after the first replica took the writes unless ``all_replicas`` (the commit), and reports what
+    that replica answered."""
     stored = True
     if writes:
         outcome = await node.store_many(
@@ -424,11 +452,14 @@ async def _store_then_read(
             [write.value for write in writes],
             [write.expiration_time for write in writes],
             subkeys=[write.subkey for write in writes],
+            await_all_replicas=all_replicas,
+            await_all_tasks=all_replicas,
+            beam_size=node.num_replicas,
         )
         stored = all(outcome.values())
     if not read:
         return stored, None
-    found = await node.get(key, latest=True)
+    found = await node.get(key, latest=True, beam_size=node.num_replicas)
     value = getattr(found, "value", None)  # None: nobody has written under the key yet
     entries = value.items() if isinstance(value, dict) else ()
     return stored, [(subkey, item.value, item.expiration_time) for subkey, item in entries]

@@ -39,6 +39,11 @@ IGNORE_TIMEOUTS = 3  # request timeouts for which a peer that failed this one is
 URGENT_POLL_FRACTION = 0.2  # share of poll_interval to wait between reads while a group is being formed
 
 EAGER_POLLS = 5  # for this many poll intervals after it starts looking, a peer reads at the urgent pace
+SHARD_WAIT_POLLS = 10
+"""A peer that is in no planned group this many poll intervals and reads after it arrived on a
+shard's board (the shard holds fewer than ``target_group_size`` peers) moves to the coarser shard
+(see :mod:`.rotation`). Reads count too: on a loaded machine a read can take several poll
+intervals, and a peer that left before it could see its shard's peers would stall them."""
 
 
 Ignored = tuple[tuple[str, float], ...]  # (peer id, DHT time until which it is left out of plans)
@@ -61,6 +66,8 @@ class Looking:
     declaration: Declaration
     waiting_on: tuple[str, float] | None = None
     ignored: Ignored = ()
+    arrived: float | None = None  # when it came to this shard's board (None: when it declared)
+    reads: int = 0  # boards read since then
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,8 @@ def fall_back(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[M
     _, left = _mark(me, None, now, config)
     coarse = replace(config, shard_depth=coarser(config.shard_depth))
     member = replace(me.member, attempt=next_attempt(me.member.attempt))
-    return coarse, Looking(replace(me, member=member, prefix=coarse.group_key, expiration=-math.inf)), left
+    fresh = replace(me, member=member, prefix=coarse.group_key, expiration=-math.inf)
+    return coarse, Looking(fresh, None, (), arrived=now), left
 
 
 def next_attempt(attempt: str) -> str:
@@ -152,8 +160,10 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     peers = looking_peers(now, replace(board, declarations=overlay), config)
     planned = plan_ahead(now, peers, config)
     mine, start_at = next(((group, start) for group, start in planned if me in group), (None, now))
-    if mine is None and config.shard_depth > 0 and now >= me.ready_at:
-        return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no group here in time
+    arrived = me.declared_at if state.arrived is None else state.arrived
+    waited = state.reads >= SHARD_WAIT_POLLS and now >= arrived + SHARD_WAIT_POLLS * config.poll_interval
+    if mine is None and config.shard_depth > 0 and (waited or now >= me.ready_at):
+        return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no full group here
     if mine is None or mine[0].member != me.member:
         # In a planned group: its leader seals soon. Just started looking: peers that start at the same
         # moment (as in synchronous training) are declaring right now. Either way, read again soon.
@@ -169,14 +179,15 @@ def _waiting(
     state: Looking, me: Declaration, mine: tuple[Declaration, ...] | None, now: float, config: MatchmakingConfig
 ) -> Looking:
     """The next looking state of a peer that does not lead ``mine`` (its planned group, if any)."""
+    state = replace(state, reads=state.reads + 1)
     if mine is None:
-        return Looking(me, None, state.ignored)
+        return replace(state, declaration=me, waiting_on=None)
     leader = mine[0].member.peer_id
     if state.waiting_on is None or state.waiting_on[0] != leader:
-        return Looking(me, (leader, now), state.ignored)
+        return replace(state, declaration=me, waiting_on=(leader, now))
     if now - state.waiting_on[1] > config.request_timeout:  # it should have sealed long ago
-        return Looking(me, None, _ignore(state.ignored, {leader}, now, config))
-    return Looking(me, state.waiting_on, state.ignored)
+        return replace(state, declaration=me, waiting_on=None, ignored=_ignore(state.ignored, {leader}, now, config))
+    return replace(state, declaration=me)
 
 
 def _ignore(ignored: Ignored, peers: set[str], now: float, config: MatchmakingConfig) -> Ignored:
@@ -229,9 +240,7 @@ def _seal(group: tuple[Declaration, ...], now: float, config: MatchmakingConfig,
     return SealedGroup(group_id_for(members), members, commit_by, start_at if start_at > now else -math.inf)
 
 
-def _retry(
-    me: Declaration, now: float, config: MatchmakingConfig, writes: tuple[Write, ...], ignored: Ignored
-) -> Step:
+def _retry(me: Declaration, now: float, config: MatchmakingConfig, writes: tuple[Write, ...], ignored: Ignored) -> Step:
     """Look again under a new attempt, keeping seniority, times and whom to leave out of plans."""
     fresh = replace(me, member=replace(me.member, attempt=next_attempt(me.member.attempt)), expiration=-math.inf)
     fresh, declare = _refresh(fresh, now, config)

@@ -21,14 +21,17 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   (:func:`shard_depth`), so a shard expects between ``M`` and ``M**2`` peers (exactly ``M`` when
   ``N = M**d``). ``N`` is a hint from the caller (the Optimizer passes the number of trainers its
   progress tracker sees); without one, ``depth = 0``: one board per prefix, still ranked as above.
-- **Waiting for the shard.** Given ``N``, the peers of a shard form groups before their scheduled
-  time only once the shard's expected ``N // M**depth`` peers are looking (:func:`expected_in_shard`),
-  not as soon as ``M`` are: peers that finished the last round together also start looking
-  together, and would otherwise form the same group again.
-- **Falling back.** A peer whose scheduled time has come without a group on its shard's board (the
-  shard is too empty: fewer than ``min_group_size`` peers are looking) moves to the coarser shard,
-  one digit shorter (:func:`coarser`), with a fresh attempt and its seniority, down to the prefix's
-  own board. Peers with different estimates of ``N`` thus still meet: the finer ones fall back.
+- **Waiting for the swarm.** Given ``N``, peers on one board for the whole swarm (``depth = 0``)
+  form groups before their scheduled time only once the ``N`` peers are looking
+  (:func:`expected_in_shard`), not as soon as ``M`` are: peers that finished the last round
+  together also start looking together, and would otherwise form the same group again. In a shard
+  that cannot happen: the members of one group were dealt different last digits.
+- **Falling back.** In a shard, full groups form as soon as their peers are looking, whatever is
+  left over. A peer that is in no full group ``SHARD_WAIT_POLLS`` poll intervals after it came to
+  its shard's board (hashed coordinates fill shards unevenly), or at its scheduled time, moves to
+  the coarser shard, one digit shorter (:func:`coarser`), with a fresh attempt and its seniority,
+  down to the prefix's own board, where it waits for a full group or its scheduled time. Peers
+  with different estimates of ``N`` thus still meet: the finer ones fall back.
 
 Why it mixes: with ``N = M**d`` peers on a grid (peer ``i`` starting with the base-``M`` digits of
 ``i // M`` as its last ``d - 1`` digits), every shard of round 1 holds exactly one group of ``M``.
@@ -157,11 +160,12 @@ def rotation_groups(
     coordinates: Mapping[str, Digits], *, base: int, depth: int, min_group_size: int = 2
 ) -> list[list[str]]:
     """One round of the rule for a whole swarm that is looking at once (the model the tests and the
-    benchmark simulate): shards by the last ``depth`` digits; in each, the fewest groups of at most
-    ``base`` with sizes differing by at most one and at least ``min_group_size``, as consecutive runs
-    of the ranking (as :func:`.group.plan_groups` splits at the scheduled time); the peers that fit in
-    none fall back one level at a time. Peers left over at the prefix's
-    board (fewer than ``min_group_size``) are in no group."""
+    benchmark simulate): shards by the last ``depth`` digits; in each shard, full groups of ``base``
+    as consecutive runs of the ranking (as :func:`.group.plan_groups` forms them in a shard before
+    the scheduled time); the others fall back one level at a time. On the prefix's board: the fewest
+    groups of at most ``base`` with sizes differing by at most one and at least ``min_group_size``
+    (the split at the scheduled time); peers left over there (fewer than ``min_group_size``) are in
+    no group."""
     groups: list[list[str]] = []
     waiting = sorted(coordinates, key=lambda peer: (ranking(coordinates[peer]), peer))
     for level in range(depth, -1, -1):
@@ -170,9 +174,14 @@ def rotation_groups(
             shards.setdefault(coordinates[peer][len(coordinates[peer]) - level :] if level else (), []).append(peer)
         waiting = []
         for members in shards.values():
-            count = min(-(-len(members) // base), len(members) // min_group_size)  # as .group.plan_groups
-            groups.extend(split_evenly(members[: count * base], count))
-            waiting.extend(members[count * base :])
+            if level:  # full groups only; the rest falls back
+                count = len(members) // base
+                size = count * base
+            else:  # as .group.plan_groups splits at the scheduled time
+                count = min(-(-len(members) // base), len(members) // min_group_size)
+                size = min(len(members), count * base)
+            groups.extend(split_evenly(members[:size], count))
+            waiting.extend(members[size:])
         waiting.sort(key=lambda peer: (ranking(coordinates[peer]), peer))
     return groups
 

@@ -5,7 +5,9 @@ runner.py: the engine that drives an implementation's hooks and bucket operation
 sync_gradients.py: the default, synchronous gradient averaging (GradientAllReduce);
 local_updates.py: local steps with parameter averaging every epoch; state_rounds.py: the
 parameter-averaging rounds those two share; diloco.py, qadam.py, powersgd.py, decentralized.py,
-async_model_average.py: the other built-ins (neighbours.py: decentralized SGD's neighbour registry).
+async_model_average.py: the other built-ins (neighbours.py: decentralized SGD's neighbour registry;
+streaming.py: DiLoCo's overlapped rounds, ``DiLoCo(overlap=True)``; diloco_outer.py: the outer step
+both DiLoCo modes share).
 """
 
 from hivemind_ext.optim.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverageImpl
@@ -24,6 +26,7 @@ from hivemind_ext.optim.algorithms.local_updates import LocalUpdatesImpl
 from hivemind_ext.optim.algorithms.powersgd import PowerSGD
 from hivemind_ext.optim.algorithms.qadam import QAdam
 from hivemind_ext.optim.algorithms.runner import AlgorithmRunner
+from hivemind_ext.optim.algorithms.streaming import OverlappedDiLoCoImpl
 from hivemind_ext.optim.algorithms.sync_gradients import GradientAllReduce, SyncGradientsImpl
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "GradientAllReduce",
     "LocalUpdatesImpl",
     "Operation",
+    "OverlappedDiLoCoImpl",
     "PowerSGD",
     "PythonOp",
     "QAdam",

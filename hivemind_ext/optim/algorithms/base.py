@@ -374,6 +374,10 @@ class AlgorithmImpl:
         (a failed round leaves the buckets' local values in place) and, if it did, the averager's
         :class:`~hivemind_ext.averaging.averager.RoundReport` (group size, contributors, ...)."""
 
+    def prepare_for_download(self) -> None:
+        """Called by the Optimizer before it downloads a training state from peers (a catch-up or a
+        resync): settle background work that would write to the state (default: nothing)."""
+
     def on_state_loaded(self) -> None:
         """Called by the Optimizer after it applied a training state downloaded from peers (late
         join or catch-up): the parameters, optimizer state and extra tensors have just changed."""

@@ -40,6 +40,10 @@ failed round (it is in line with the swarm; the average mixed in a stale pseudo-
 
 Peers must start from the same parameters (the same seed, or a state download), as with any
 gradient-averaging optimizer: DiLoCo averages differences, never the parameters themselves.
+
+With ``overlap=True`` the outer round runs in the background while the inner steps go on, and its
+outer update is applied when it arrives, keeping the inner steps made meanwhile (DiLoCo with a
+one-step delay; Streaming DiLoCo with ``fragments`` > 1): see :mod:`.streaming`.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ import torch
 from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket, NamedTensor
+from hivemind_ext.optim.algorithms.diloco_outer import averaged_by_group, outer_step, round_offset
+from hivemind_ext.optim.algorithms.streaming import OverlappedDiLoCoImpl
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,17 @@ class DiLoCo(Algorithm):
       pseudo-gradients are differences of parameters, small and tolerant of rounding (the paper
       reports no loss with far coarser quantization), and float16 halves the traffic. Pass
       ``None`` (or ``NoCompression()``) for exact float32 averaging.
+    :param overlap: run each outer round in the background while the inner steps continue, and apply
+      its outer update when it arrives (at most one round late: a round's update is applied before
+      that fragment's next round starts, or dropped). Default False: every peer waits for the round
+      at the end of its H inner steps (plain DiLoCo). See :mod:`.streaming`.
+    :param fragments: with ``overlap``: split the model's tensors into this many fragments of about
+      equal size, whose rounds are staggered across the H inner steps (Streaming DiLoCo): fragment
+      ``f`` averages at inner steps ``f * H // F + k * H``, so each round carries 1/F of the model
+    :param alpha: with ``overlap``: how much of a fragment's outer update enters the local parameters
+      when it arrives: ``params += alpha * (new_anchor - params_at_round_start)`` (1.0, the default:
+      the swarm's parameters plus the inner steps made during the round; Streaming DiLoCo's mixing
+      factor, the weight of the local parameters, is ``1 - alpha``)
     """
 
     def __init__(
@@ -82,6 +99,9 @@ class DiLoCo(Algorithm):
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         codec: Any = _DEFAULT,
+        overlap: bool = False,
+        fragments: int = 1,
+        alpha: float = 1.0,
     ) -> None:
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ConfigurationError(f"inner_steps must be a positive integer, got {inner_steps!r}")
@@ -91,13 +111,24 @@ class DiLoCo(Algorithm):
             raise ConfigurationError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         if nesterov and outer_momentum == 0:
             raise ConfigurationError("nesterov needs outer_momentum > 0")
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= inner_steps:
+            raise ConfigurationError(f"fragments must be an integer in [1, inner_steps], got {fragments!r}")
+        if not (isinstance(alpha, int | float) and 0 < alpha <= 1):
+            raise ConfigurationError(f"alpha must be in (0, 1], got {alpha!r}")
+        if not overlap and (fragments != 1 or alpha != 1):
+            raise ConfigurationError("fragments and alpha apply to overlapped rounds: pass overlap=True")
         self.inner_steps = inner_steps
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.nesterov = bool(nesterov)
         self.codec = Float16Compression() if codec is _DEFAULT else codec
+        self.overlap = bool(overlap)
+        self.fragments = fragments
+        self.alpha = float(alpha)
 
-    def reify(self, context: AlgorithmContext) -> DiLoCoImpl:
+    def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
+        if self.overlap:
+            return OverlappedDiLoCoImpl(context, self)
         return DiLoCoImpl(context, self)
 
 
@@ -214,14 +245,7 @@ class DiLoCoImpl(AlgorithmImpl):
     def on_average_result(self, succeeded: bool, report: Any = None) -> None:
         self.last_group_size = report.group_size if report is not None else 1
         if succeeded and report is not None and report.group_size > 1:
-            # every member that received a part's average holds the same values for it; a part this
-            # peer did not get averaged (it keeps its own values), or one that left out its values,
-            # makes its pseudo-gradient differ from the group's: count the round as failed
-            me = str(self.context.dht.peer_id)
-            contributing = self.round_weight() > 0
-            for contributors in report.contributors:
-                if len(contributors) < 2 or (contributing and me not in contributors):
-                    succeeded = False
+            succeeded = averaged_by_group(report, str(self.context.dht.peer_id), self.round_weight() > 0)
         self._round_ok = succeeded
 
     def optimizer_step(self) -> None:
@@ -283,12 +307,9 @@ class DiLoCoImpl(AlgorithmImpl):
         self.history.append((self.round_index, "solo", float(self.samples_in_round), 1))
 
     def _outer_step(self, pseudo_grads: Sequence[torch.Tensor]) -> None:
-        alg = self.algorithm
+        outer_step(self.algorithm, self.anchor, self.momentum, pseudo_grads)
         with torch.no_grad():
-            for anchor, momentum, pg, param in zip(self.anchor, self.momentum, pseudo_grads, self._params, strict=True):
-                momentum.mul_(alg.outer_momentum).add_(pg)
-                update = pg.add(momentum, alpha=alg.outer_momentum) if alg.nesterov else momentum
-                anchor.sub_(update, alpha=alg.outer_lr)
+            for anchor, param in zip(self.anchor, self._params, strict=True):
                 param.copy_(anchor)
             self.phase[1] += 1
         self.rounds += 1
@@ -312,15 +333,3 @@ class DiLoCoImpl(AlgorithmImpl):
 
     def _peers(self) -> int:
         return int(self.context.tracker.global_progress.num_trainers)
-
-
-def round_offset(group_mean: float, round_index: int) -> int:
-    """-1, 0 or 1: whether this peer's round index is below, at or above the group's weighted mean of
-    round indices (a float32 average of integers: equal within its rounding error, not ``round()``,
-    which would put a group of rounds 5 and 6 (mean 5.5) at round 6)."""
-    tolerance = 1e-3 + 1e-6 * abs(round_index)
-    if group_mean < round_index - tolerance:
-        return 1
-    if group_mean > round_index + tolerance:
-        return -1
-    return 0

@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hivemind.utils import get_dht_time
 
@@ -27,7 +27,7 @@ from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.compression import CompressionInfo, NoCompression, PerTensorCompression
 from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import ConfigurationError, HivemindExtError
-from hivemind_ext.optim.algorithms.base import AlgorithmImpl, AverageOp, Bucket
+from hivemind_ext.optim.algorithms.base import AlgorithmContext, AlgorithmImpl, AverageOp, Bucket
 
 if TYPE_CHECKING:
     from hivemind_ext.optim.grad_scaler import BoundGradScaler
@@ -100,7 +100,8 @@ class AlgorithmRunner:
         """Nothing: an implementation's background work (e.g. AsyncModelAverage's thread) is its own."""
 
     def prepare_for_download(self) -> None:
-        """Nothing to stop: rounds run inside ``step()``."""
+        """Rounds run inside ``step()``; the implementation settles its own background rounds."""
+        self.impl.prepare_for_download()
 
     def discard_local_progress(self) -> None:
         """Nothing: the implementation's accumulators belong to its own schedule."""
@@ -195,20 +196,7 @@ class AlgorithmRunner:
 
     def _new_averager(self, position: int, buckets: list[Bucket]) -> DecentralizedAverager:
         ops = [b.ops[position] if position >= 0 else AverageOp() for b in buckets]
-        codecs = {
-            b.name: as_codec(op.codec if op.codec is not None else NoCompression())
-            for b, op in zip(buckets, ops, strict=True)
-        }
-        return DecentralizedAverager(
-            [b.flat for b in buckets],
-            self.context.dht,
-            start=True,
-            prefix=self.context.prefix(f"s{self.stage}p{position}"),
-            compression=PerTensorCompression(codecs),
-            tensor_infos=[CompressionInfo.from_tensor(b.flat, key=b.name) for b in buckets],
-            allow_state_sharing=False,
-            **self.context.averager_options,
-        )
+        return bucket_averager(self.context, f"s{self.stage}p{position}", buckets, [op.codec for op in ops])
 
     def _close_averagers(self) -> None:
         for averager in self._averagers.values():
@@ -223,6 +211,26 @@ class AlgorithmRunner:
             self.impl.shutdown()
         finally:
             self._close_averagers()
+
+
+def bucket_averager(
+    context: AlgorithmContext, suffix: str, buckets: Sequence[Bucket], codecs: Sequence[Any]
+) -> DecentralizedAverager:
+    """A :class:`~hivemind_ext.averaging.DecentralizedAverager` over the buckets' fused buffers, each
+    bucket compressed with its own codec (None: uncompressed), meeting peers under
+    ``context.prefix(suffix)``: the averager of one round position (here) or of one DiLoCo fragment."""
+    return DecentralizedAverager(
+        [b.flat for b in buckets],
+        context.dht,
+        start=True,
+        prefix=context.prefix(suffix),
+        compression=PerTensorCompression(
+            {b.name: as_codec(c if c is not None else NoCompression()) for b, c in zip(buckets, codecs, strict=True)}
+        ),
+        tensor_infos=[CompressionInfo.from_tensor(b.flat, key=b.name) for b in buckets],
+        allow_state_sharing=False,
+        **context.averager_options,
+    )
 
 
 def _weight(ops: list[AverageOp]) -> float:

@@ -1,0 +1,445 @@
+"""Training on thin links: compute utilization, bytes per inner step and held-out loss, per algorithm.
+
+Four peers (``--peers``), each in its own network namespace with a 20 Mbit/s link both ways
+(``tc tbf``, tests/netns.py; needs root), train the same 11.1M-parameter MLP (128 -> 2048 -> 5120
+-> 64, ReLU) on a teacher-student regression: ``y = tanh(x A) B + 0.1 noise`` with a fixed random
+teacher (A: 128 x 32, B: 32 x 64), ``x ~ N(0, I)``, a batch of 8 per peer per step, each peer its own
+deterministic stream; Adam (lr 3e-4) is the inner (local) optimizer everywhere. Each peer's compute
+is real (forward and backward on one CPU thread) padded with a sleep to ``--step-seconds`` per step:
+the time an accelerator would take, during which the CPU is free for communication, as it would be.
+
+Per configuration, every peer runs ``--steps`` inner steps (the same samples in every
+configuration) and reports:
+
+- compute utilization: time in forward/backward (padded) and in the torch optimizer's own step,
+  over the wall time from its first step to its last;
+- bytes sent per peer per inner step: the transmitted bytes of its namespace's interface (all
+  traffic: DHT, matchmaking, progress records, all-reduce), over its steps;
+- held-out loss: MSE on 256 held-out samples of the mean over peers of their final models (after
+  overlapped rounds in flight were applied).
+
+Configurations: ``sync`` (synchronous gradient averaging every step, float16), ``diloco`` (H inner
+steps, float16 pseudo-gradients), ``diloco8`` (8-bit min-max, Bagua's MinMaxUInt8), ``overlap``
+(overlapped rounds, float16), ``overlap_sparse`` (overlapped, top-k 2% with 4-bit values and error
+feedback), and ``hivemind`` (hivemind.Optimizer with ``use_local_updates``, parameters averaged
+every H steps' worth of samples in float16). Synchronous averaging of 21 MB per step takes seconds
+per step at 20 Mbit/s: it runs only ``--sync-steps`` steps (enough to measure utilization and bytes),
+and its held-out loss at the same samples as the others is computed by its exact in-process
+equivalent (Adam on the mean gradient of every peer's batch, each step; no float16 rounding).
+The baseline of the byte goal, synchronous fp32 averaging every step, is computed: the payload of a
+butterfly all-reduce of every float32 gradient, 2 (n - 1) / n x 4 bytes x 11.1M per peer per step.
+
+Defaults: H = 10, 30 steps, 0.5 s of compute per step (3 outer rounds), 3 steps of synchronous
+averaging; the issue's setting is ``--inner-steps 100 --steps 300`` (far longer). What the defaults
+take depends on the machine's load: each blocking fp16 round of 11.1M values costs ~13 s of link
+time at 20 Mbit/s, more under CPU contention (see benchmarks/RESULTS.md).
+
+    sudo python benchmarks/thin_link.py
+    sudo python benchmarks/thin_link.py --configs diloco overlap_sparse --inner-steps 100 --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+CONFIGS = ["sync", "diloco", "diloco8", "overlap", "overlap_sparse", "hivemind"]
+IN, HIDDEN, HIDDEN2, OUT, TEACHER = 128, 2048, 5120, 64, 32
+BATCH, EVAL = 8, 256
+LR = 3e-4
+
+
+# ----- the model and the data (the same in every peer and in the in-process reference)
+
+
+def make_model() -> torch.nn.Module:
+    """11.1M parameters, nearly all in the 2048 x 5120 layer: a round's bytes matter."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN2),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN2, OUT),
+    )
+
+
+class Teacher:
+    """``y = tanh(x A) B + 0.1 noise``: learnable from a few thousand samples (the loss falls ~4x in 60
+    steps of one peer), so that a difference between configurations shows at equal samples."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(1234)
+        self.a = torch.randn(IN, TEACHER, generator=generator) / IN**0.5
+        self.b = torch.randn(TEACHER, OUT, generator=generator) / TEACHER**0.5
+
+    def batch(self, generator: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(size, IN, generator=generator)
+        return x, torch.tanh(x @ self.a) @ self.b + 0.1 * torch.randn(size, OUT, generator=generator)
+
+
+def held_out_loss(models: list[torch.nn.Module], teacher: Teacher) -> float:
+    x, y = teacher.batch(torch.Generator().manual_seed(999), EVAL)
+    with torch.no_grad():
+        return sum(float(torch.nn.functional.mse_loss(m(x), y)) for m in models) / len(models)
+
+
+class TimedAdam(torch.optim.Adam):
+    """Adam that adds the time of its own steps to ``seconds`` (the inner steps count as compute)."""
+
+    seconds = 0.0
+
+    def step(self, closure: Any = None) -> Any:
+        started = time.perf_counter()
+        try:
+            return super().step(closure)
+        finally:
+            TimedAdam.seconds += time.perf_counter() - started
+
+
+# ----- one peer (this file with --peer), in its namespace
+
+
+def tx_bytes() -> int:
+    """Bytes this namespace's interface has transmitted."""
+    return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
+
+
+def make_optimizer(config: dict[str, Any], dht: Any, model: torch.nn.Module) -> Any:
+    name, peers, inner = config["name"], config["peers"], config["inner_steps"]
+    common = dict(
+        dht=dht,
+        run_id=f"thin_{name}",
+        batch_size_per_step=BATCH,
+        params=model.parameters(),
+        optimizer=lambda params: TimedAdam(params, lr=LR),
+        matchmaking_time=config["matchmaking_time"],
+        averaging_timeout=config["averaging_timeout"],
+        # a 2 MiB chunk on one of three streams sharing 20 Mbit/s takes seconds (the default is 1 s)
+        next_chunk_timeout=config["next_chunk_timeout"],
+    )
+    if name == "hivemind":
+        import hivemind
+        from hivemind.compression import Float16Compression as HivemindFloat16
+
+        return hivemind.Optimizer(
+            **common,
+            target_batch_size=peers * BATCH * inner,
+            use_local_updates=True,
+            state_averaging_compression=HivemindFloat16(),
+        )
+    import hivemind_ext
+    from hivemind_ext.compression import ErrorFeedback, Float16Compression, MinMaxUInt8, SparseTopK
+    from hivemind_ext.optim.algorithms import DiLoCo
+
+    # every link is the same: equal parts in every round (measured throughputs would move the part
+    # boundaries from round to round, and ErrorFeedback drops a residual whose part changed shape)
+    common["averager_opts"] = {"bandwidth": config["rate_mbit"]}
+    if name == "sync":
+        return hivemind_ext.Optimizer(
+            **common, target_batch_size=peers * BATCH, grad_compression=Float16Compression(), offload_optimizer=False
+        )
+    codec: Any = {
+        "diloco": Float16Compression(),
+        "diloco8": MinMaxUInt8(),
+        "overlap": Float16Compression(),
+        "overlap_sparse": ErrorFeedback(SparseTopK(density=config["density"], bits=config["bits"])),
+    }[name]
+    overlap = name.startswith("overlap")
+    algorithm = DiLoCo(inner, codec=codec, overlap=overlap, fragments=config["fragments"] if overlap else 1)
+    return hivemind_ext.Optimizer(**common, target_batch_size=1 << 40, algorithm=algorithm, offload_optimizer=False)
+
+
+def run_peer(peer: dict[str, Any]) -> None:
+    """One peer: its DHT, then each configuration in turn (a fresh model and optimizer each), in
+    lockstep with the others through the driver (``ready <name>``, ``go``, ``result <json>``)."""
+    import hivemind
+
+    torch.set_num_threads(1)
+    dht = hivemind.DHT(host_maddrs=[f"/ip4/{peer['address']}/tcp/0"], initial_peers=peer["initial_peers"], start=True)
+    print("addrs", json.dumps([str(a) for a in dht.get_visible_maddrs()]), flush=True)
+    try:
+        for config in peer["configs"]:
+            if not train_one(peer, config, dht):
+                break
+    finally:
+        dht.shutdown()
+
+
+def train_one(peer: dict[str, Any], config: dict[str, Any], dht: Any) -> bool:
+    teacher, model = Teacher(), make_model()
+    opt = make_optimizer(config, dht, model)
+    try:
+        give_up = time.monotonic() + 120
+        while opt.tracker.global_progress.num_peers < config["peers"] and time.monotonic() < give_up:
+            time.sleep(0.2)
+        print("ready", config["name"], flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return False
+        generator = torch.Generator().manual_seed(100 + peer["index"])
+        TimedAdam.seconds = compute = in_step = 0.0
+        sent_before, started = tx_bytes(), time.perf_counter()
+        for _ in range(config["steps"]):
+            step_started = time.perf_counter()
+            x, y = teacher.batch(generator, BATCH)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            time.sleep(max(0.0, step_started + config["step_seconds"] - time.perf_counter()))  # the accelerator
+            compute += time.perf_counter() - step_started
+            step_started = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            in_step += time.perf_counter() - step_started
+        wall = time.perf_counter() - started
+        sent = tx_bytes() - sent_before
+        impl = getattr(opt, "algorithm_impl", None)
+        if hasattr(impl, "settle"):
+            impl.settle()  # overlapped rounds in flight: the model every peer evaluates is after them
+        path = Path(peer["out"]) / f"{config['name']}{peer['index']}.pt"
+        torch.save([p.detach().clone() for p in model.parameters()], path)
+        result = {
+            "compute": compute + TimedAdam.seconds,
+            "wall": wall,
+            "waited": in_step - TimedAdam.seconds,
+            "bytes_per_step": sent / config["steps"],
+            "history": [list(h) for h in list(getattr(impl, "history", []))[-6:]],
+        }
+        print("result", json.dumps(result), flush=True)
+        return True
+    finally:
+        opt.shutdown()
+
+
+# ----- the driver
+
+
+class Swarm:
+    """The peers: one process per namespace, which run the configurations in lockstep."""
+
+    def __init__(self, topology: Any, peer: dict[str, Any], timeout: float) -> None:
+        self.topology, self.peer, self.timeout = topology, peer, timeout
+        self.processes: list[subprocess.Popen] = []
+        self.lines: list[queue.Queue[str | None]] = []
+        self.logs: list[Any] = []
+
+    def start(self) -> None:
+        initial_peers = self._start(0, [])
+        for index in range(1, len(self.topology.peers)):
+            self._start(index, initial_peers)
+        for index in range(1, len(self.topology.peers)):
+            self.expect(index, "addrs")
+
+    def _start(self, index: int, initial_peers: list[str]) -> list[str]:
+        peer = self.topology.peers[index]
+        config = {**self.peer, "index": index, "address": peer.address, "initial_peers": initial_peers}
+        log = tempfile.TemporaryFile("w+")
+        argv = [sys.executable, str(Path(__file__).resolve()), "--peer", json.dumps(config)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        process = self.topology.popen(
+            peer, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env
+        )
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
+        self.processes.append(process)
+        self.lines.append(lines)
+        self.logs.append(log)
+        return json.loads(self.expect(index, "addrs")) if index == 0 else []
+
+    def expect(self, index: int, word: str) -> str:
+        give_up = time.monotonic() + self.timeout
+        while time.monotonic() < give_up:
+            try:
+                line = self.lines[index].get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            if line.startswith(word):
+                return line[len(word) :].strip()
+        self.logs[index].seek(0)
+        raise RuntimeError(
+            f"peer {index} did not say {word!r}; its stderr ends with:\n{self.logs[index].read()[-3000:]}"
+        )
+
+    def run(self, name: str) -> list[dict[str, Any]]:
+        """Runs configuration ``name`` on every peer once all are ready; every peer's result."""
+        for index in range(len(self.processes)):
+            if self.expect(index, "ready") != name:
+                raise RuntimeError(f"peer {index} is not at configuration {name}")
+        for process in self.processes:
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        return [json.loads(self.expect(i, "result")) for i in range(len(self.processes))]
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    process.stdin.close()
+                except OSError:
+                    pass
+        for process in self.processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for log in self.logs:
+            log.close()
+
+
+def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+def sync_reference_loss(peers: int, steps: int, teacher: Teacher) -> float:
+    """Synchronous averaging every step, in one process: Adam on the mean gradient of every peer's batch."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    generators = [torch.Generator().manual_seed(100 + index) for index in range(peers)]
+    for _ in range(steps):
+        opt.zero_grad()
+        for generator in generators:
+            x, y = teacher.batch(generator, BATCH)
+            (torch.nn.functional.mse_loss(model(x), y) / peers).backward()
+        opt.step()
+    return held_out_loss([model], teacher)
+
+
+def summarize(results: list[dict[str, Any]], name: str, peers: int, out: Path, teacher: Teacher) -> dict[str, Any]:
+    """The configuration's figures: means over the peers, the held-out loss of their final models."""
+    models = []
+    for index in range(peers):
+        model = make_model()
+        with torch.no_grad():
+            for param, value in zip(model.parameters(), torch.load(out / f"{name}{index}.pt"), strict=True):
+                param.copy_(value)
+        models.append(model)
+    return {
+        "utilization": sum(r["compute"] / r["wall"] for r in results) / len(results),
+        "bytes_per_step": sum(r["bytes_per_step"] for r in results) / len(results),
+        "loss": held_out_loss(models, teacher),
+        "wall": max(r["wall"] for r in results),
+        "waited": sum(r["waited"] for r in results) / len(results),
+        "history": results[0]["history"],
+    }
+
+
+def main() -> None:
+    from common import describe_machine, emit, higher_is_better, lower_is_better
+    from netns import Link, Topology, unavailable_reason
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--rate-mbit", type=float, default=20.0)
+    parser.add_argument("--inner-steps", type=int, default=10, help="H (the issue's setting: 100)")
+    parser.add_argument("--steps", type=int, default=30, help="inner steps per peer (equal samples in every config)")
+    parser.add_argument("--sync-steps", type=int, default=3, help="steps of synchronous averaging measured")
+    parser.add_argument("--step-seconds", type=float, default=0.5, help="simulated compute per step")
+    parser.add_argument("--fragments", type=int, default=1, help="fragments of the overlapped configs")
+    parser.add_argument("--density", type=float, default=0.05, help="top-k density of overlap_sparse")
+    parser.add_argument("--bits", type=int, default=4, help="bits per kept value of overlap_sparse")
+    parser.add_argument("--matchmaking-time", type=float, default=1.0)
+    parser.add_argument("--averaging-timeout", type=float, default=60.0)
+    parser.add_argument("--next-chunk-timeout", type=float, default=15.0)
+    args = parser.parse_args()
+    missing = unavailable_reason()
+    if missing is not None:
+        raise SystemExit(f"thin_link needs network namespaces (run as root): {missing}")
+    print(f"machine: {describe_machine()}; load {os.getloadavg()[0]:.1f}", flush=True)
+    base = dict(
+        peers=args.peers,
+        inner_steps=args.inner_steps,
+        step_seconds=args.step_seconds,
+        fragments=args.fragments,
+        density=args.density,
+        bits=args.bits,
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+        next_chunk_timeout=args.next_chunk_timeout,
+        rate_mbit=args.rate_mbit,
+    )
+    teacher = Teacher()
+    measured: dict[str, dict[str, Any]] = {}
+    configs = [
+        {**base, "name": name, "steps": args.sync_steps if name == "sync" else args.steps} for name in args.configs
+    ]
+    with (
+        tempfile.TemporaryDirectory() as out,
+        Topology([Link(rate_mbit=args.rate_mbit)] * args.peers, prefix="hxtl") as topology,
+    ):
+        swarm = Swarm(topology, {"configs": configs, "out": out}, timeout=args.averaging_timeout * 4 + 180)
+        try:
+            swarm.start()
+            for config in configs:
+                name, started = config["name"], time.perf_counter()
+                figures = summarize(swarm.run(name), name, args.peers, Path(out), teacher)
+                if name == "sync":
+                    figures["loss"] = sync_reference_loss(args.peers, args.steps, teacher)
+                measured[name] = figures
+                print(
+                    f"{name:>15}: utilization {figures['utilization']:6.1%}, "
+                    f"{figures['bytes_per_step'] / 1e3:9.1f} kB sent per peer per step, held-out loss "
+                    f"{figures['loss']:.4f} ({config['steps']} steps in {figures['wall']:.1f} s, "
+                    f"{figures['waited']:.1f} s of them in step() beyond the inner step; with set-up "
+                    f"{time.perf_counter() - started:.0f} s; load {os.getloadavg()[0]:.1f}); "
+                    f"last rounds: {figures['history'][-4:]}",
+                    flush=True,
+                )
+        finally:
+            swarm.close()
+    start_loss = held_out_loss([make_model()], teacher)
+    print(f"held-out loss of the initial model: {start_loss:.4f}")
+    # the baseline of the byte goal: a butterfly all-reduce of float32 gradients every step, in which
+    # each peer sends (n-1)/n of its values to the owners and (n-1)/n of its own part back
+    numel = sum(p.numel() for p in make_model().parameters())
+    fp32 = 2 * (args.peers - 1) / args.peers * 4 * numel
+    print(f"synchronous fp32 averaging sends {fp32 / 1e6:.1f} MB per peer per step (payload, computed)")
+    for name, figures in measured.items():
+        print(f"{name:>15}: {fp32 / figures['bytes_per_step']:8.1f}x fewer bytes per step than sync fp32")
+    hivemind_figures = measured.get("hivemind", {})
+    reference = {k: round(v, 5) for k, v in hivemind_figures.items() if k != "history"}
+    results = []
+    for name, figures in measured.items():
+        if name == "hivemind":
+            continue
+        theirs = reference
+        results.append(
+            higher_is_better(
+                f"{name} utilization", "fraction", round(figures["utilization"], 4), theirs.get("utilization")
+            )
+        )
+        results.append(
+            lower_is_better(
+                f"{name} bytes per step",
+                "bytes/peer/step",
+                round(figures["bytes_per_step"]),
+                theirs.get("bytes_per_step"),
+            )
+        )
+        results.append(lower_is_better(f"{name} held-out loss", "mse", round(figures["loss"], 5), theirs.get("loss")))
+    emit("thin_link", results)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--peer":
+        run_peer(json.loads(sys.argv[2]))
+    else:
+        main()

@@ -1,0 +1,346 @@
+"""Overlapped (streaming) DiLoCo: the fragment schedule and the staleness bound as pure functions, the
+outer-step math of one peer against a hand-written reference, and real peers on loopback: rounds
+that overlap the inner steps and converge, a round that fails on one peer, a late joiner."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from swarm import local_swarm, new_peer, wait_for
+from test_algorithms_diloco_async import (
+    FailOneRound,
+    batch,
+    linear_model,
+    make_optimizer,
+    run_peers,
+    test_loss,
+    train_step,
+)
+
+from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.optim.algorithms import DiLoCo
+from hivemind_ext.optim.algorithms.streaming import (
+    MAX_COUNT,
+    OverlappedDiLoCoImpl,
+    after_download,
+    fragment_offset,
+    fragment_tensors,
+    round_is_due,
+    round_window,
+    sanitized_phase,
+    steps_missed,
+    update_is_fresh,
+)
+
+# ----- pure functions
+
+
+def test_overlap_keywords_are_checked():
+    with pytest.raises(ConfigurationError):
+        DiLoCo(5, fragments=2)  # fragments need overlap=True
+    with pytest.raises(ConfigurationError):
+        DiLoCo(5, alpha=0.5)
+    with pytest.raises(ConfigurationError):
+        DiLoCo(5, overlap=True, fragments=6)  # more fragments than inner steps
+    with pytest.raises(ConfigurationError):
+        DiLoCo(5, overlap=True, alpha=0.0)
+    with pytest.raises(ConfigurationError):
+        DiLoCo(5, overlap=True, fragments=True)
+
+
+def test_fragments_are_consecutive_and_about_equal():
+    assert fragment_tensors([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert fragment_tensors([10, 10, 10, 10], 4) == [[0], [1], [2], [3]]
+    assert fragment_tensors([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]  # a tensor is never split
+    assert fragment_tensors([7], 3) == [[0]]  # fewer tensors than fragments: empty ones are dropped
+    sizes = [3, 50, 7, 20, 20, 1, 30]
+    groups = fragment_tensors(sizes, 3)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+    assert all(g == list(range(g[0], g[-1] + 1)) for g in groups)
+
+
+def test_fragment_rounds_are_staggered_once_per_h_steps():
+    inner_steps, fragments = 12, 3
+    assert [fragment_offset(f, inner_steps, fragments) for f in range(fragments)] == [0, 4, 8]
+    due = {f: [s for s in range(0, 40) if round_is_due(s, f, inner_steps, fragments)] for f in range(fragments)}
+    assert due == {0: [12, 24, 36], 1: [4, 16, 28], 2: [8, 20, 32]}
+    # one fragment: plain DiLoCo's schedule
+    assert [s for s in range(0, 25) if round_is_due(s, 0, 5, 1)] == [5, 10, 15, 20]
+
+
+def test_staleness_bound_applies_at_most_one_round_old_updates():
+    fresh = dict(started_step=20, inner_steps=10, started_round=3, round_index=3)
+    assert update_is_fresh(now_step=20, **fresh)  # arrived at once (a solo peer)
+    assert update_is_fresh(now_step=27, **fresh)
+    assert update_is_fresh(now_step=30, **fresh)  # exactly one round: the next round's start waits for it
+    assert not update_is_fresh(now_step=31, **fresh)  # older than one round: dropped
+    assert not update_is_fresh(now_step=19, **fresh)  # the step counter went back (a download)
+    # a download moved the fragment's round index since the round started: its update is stale
+    assert not update_is_fresh(now_step=25, **{**fresh, "round_index": 4})
+
+
+def test_after_a_download_each_fragment_keeps_the_furthest_consistent_values():
+    assert after_download(mine=5, served=4, held=None) == "mine"  # the donor had not applied a round yet
+    assert after_download(mine=4, served=4, held=None) == "donor"
+    assert after_download(mine=3, served=4, held=4) == "held"  # the donor's round 4 was in flight
+    assert after_download(mine=3, served=5, held=4) == "donor"  # the donor applied it meanwhile
+    assert after_download(mine=-1, served=0, held=None) == "donor"  # a first download
+
+
+def test_a_joiner_skips_the_steps_the_swarm_made_during_its_download():
+    assert round_window([10.0, 10.5, 11.0], 10) == pytest.approx(5.0)
+    assert round_window([3.0], 10) == 0.0
+    assert steps_missed(2.0, 0.5, limit=10) == 4
+    assert steps_missed(2.0, 0.0, limit=10) == 0  # the donor's pace is unknown
+    assert steps_missed(0.0, 0.5, limit=10) == 0
+
+
+def test_a_hostile_donors_phase_cannot_stall_or_crash_a_joiner():
+    # the phase [inner step, seconds per step, round indices...] comes from a donor: its bad word is
+    # bounded, never an exception, a hang (skipping 1e30 steps) or a counter that float32 cannot advance
+    assert steps_missed(5.0, 1e-30, limit=10) == 10
+    assert steps_missed(5.0, float("nan"), limit=10) == 0
+    assert steps_missed(5.0, float("-inf"), limit=10) == 0
+    assert steps_missed(float("inf"), 1.0, limit=10) == 0
+    nan, inf = float("nan"), float("inf")
+    assert sanitized_phase([nan, -1.0, 1e30, 3.7, -inf]) == [0.0, 0.0, float(MAX_COUNT), 3.0, 0.0]
+    assert sanitized_phase([12.0, 0.25, 3.0]) == [12.0, 0.25, 3.0]
+    assert float(torch.tensor(float(MAX_COUNT), dtype=torch.float32) + 1) == MAX_COUNT + 1
+
+
+# ----- one peer: the math
+
+
+@pytest.fixture
+def solo_dht():
+    dht = new_peer()
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_solo_overlapped_fragments_match_reference(solo_dht):
+    """One peer (its rounds step on its own pseudo-gradient at once): two fragments (two tensors of
+    equal size) whose outer steps are staggered by H/2, mixed in with alpha."""
+    inner_lr, inner_steps, steps, alpha = 0.1, 4, 15, 0.5
+    x0 = [torch.tensor([1.0, -2.0]), torch.tensor([0.5, 3.0])]
+    targets = torch.randn(steps, 4, generator=torch.Generator().manual_seed(0))
+    params = [torch.nn.Parameter(x.clone()) for x in x0]
+    algorithm = DiLoCo(inner_steps, codec=None, overlap=True, fragments=2, alpha=alpha)
+    opt = make_optimizer(solo_dht, params, "overlap_math", algorithm, lr=inner_lr)
+    try:
+        impl = opt.algorithm_impl
+        assert isinstance(impl, OverlappedDiLoCoImpl)
+        for k in range(steps):
+            for param, target in zip(params, targets[k].split(2), strict=True):
+                param.grad = param.detach() - target
+            opt.step(batch_size=1)
+            opt.zero_grad()
+
+        x = [t.clone() for t in x0]
+        anchor, momentum = [t.clone() for t in x0], [torch.zeros(2), torch.zeros(2)]
+        for k in range(steps):
+            for f in range(2):
+                x[f] = x[f] - inner_lr * (x[f] - targets[k].split(2)[f])
+            for f in range(2):
+                if (k + 1 - f * inner_steps // 2) % inner_steps == 0:  # fragment 1 at steps 2, 6, 10, 14
+                    pseudo_grad = anchor[f] - x[f]
+                    momentum[f] = 0.9 * momentum[f] + pseudo_grad
+                    new_anchor = anchor[f] - 0.7 * (pseudo_grad + 0.9 * momentum[f])
+                    x[f] = x[f] + alpha * (new_anchor - x[f])
+                    anchor[f] = new_anchor
+        for f in range(2):
+            torch.testing.assert_close(params[f].detach(), x[f], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(impl.anchor[f], anchor[f], atol=1e-6, rtol=1e-6)
+        assert impl.round_indices == [3, 4] and impl.rounds == impl.solo_rounds == 7
+        assert impl.step_index == steps
+    finally:
+        opt.shutdown()
+
+
+# ----- real peers
+
+
+def plain_diloco_reference(peers: int, steps: int, inner_steps: int, lr: float = 0.1) -> float:
+    """What plain DiLoCo computes on the same data when every round succeeds (in one process)."""
+    models = [linear_model(seed=0) for _ in range(peers)]
+    generators = [torch.Generator().manual_seed(index + 1) for index in range(peers)]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    for step in range(1, steps + 1):
+        for model, generator in zip(models, generators, strict=True):
+            x, y = batch(generator)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= lr * p.grad
+        if step % inner_steps == 0:
+            with torch.no_grad():
+                for i, a in enumerate(anchor):
+                    pg = sum(a - list(m.parameters())[i] for m in models) / peers
+                    momentum[i] = 0.9 * momentum[i] + pg
+                    a -= 0.7 * (pg + 0.9 * momentum[i])
+                    for m in models:
+                        list(m.parameters())[i].copy_(a)
+    return sum(test_loss(m) for m in models) / peers
+
+
+def finish(opt, impl: OverlappedDiLoCoImpl) -> None:
+    """Applies the rounds in flight, then downloads the state if a round said this peer was behind."""
+    impl.settle()
+    give_up = time.monotonic() + 30
+    while opt.rounds.resync_pending and time.monotonic() < give_up:
+        opt.load_state_from_peers()
+
+
+def anchors_agree(impls: list[OverlappedDiLoCoImpl]) -> None:
+    histories = [list(impl.history) for impl in impls]
+    assert all(impl.round_indices == impls[0].round_indices for impl in impls), histories
+    for impl in impls[1:]:
+        for mine, theirs in zip(impls[0].anchor, impl.anchor, strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0, msg=lambda m: f"{m}\n{histories}")
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_rounds_converge_without_stopping_the_inner_steps():
+    inner_steps, steps, peers = 10, 60, 2
+    with local_swarm(peers) as dhts:
+        models = [linear_model(seed=0) for _ in dhts]
+        algorithm = DiLoCo(inner_steps, overlap=True, fragments=2)  # float16 pseudo-gradients
+        opts = [make_optimizer(dht, m.parameters(), "overlap", algorithm) for dht, m in zip(dhts, models, strict=True)]
+        impls = [opt.algorithm_impl for opt in opts]
+        wait_for(lambda: all(o.tracker.global_progress.num_trainers == peers for o in opts), 30, message="peers")
+
+        anchors: list[list[torch.Tensor]] = [[], []]
+        indices: list[list[int]] = [[], []]
+
+        def worker(index: int) -> None:
+            generator = torch.Generator().manual_seed(index + 1)
+            for _ in range(steps):
+                train_step(models[index], opts[index], generator)
+                time.sleep(0.05)  # the compute of a step
+            finish(opts[index], impls[index])  # the rounds of step 60 (both peers take part)
+            anchors[index] = [a.clone() for a in impls[index].anchor]
+            indices[index] = impls[index].round_indices
+            for _ in range(inner_steps // 2 + 1):  # start the next round, then shut down with it in flight
+                train_step(models[index], opts[index], generator)
+
+        try:
+            run_peers(worker, peers, timeout=90)
+            in_flight = [impl.rounds_in_flight for impl in impls]
+            started = time.perf_counter()
+        finally:
+            for opt in opts:
+                opt.shutdown()
+        assert time.perf_counter() - started < 10  # rounds still in flight are cancelled, not awaited
+        assert all(impl.rounds_in_flight == 0 for impl in impls), in_flight
+    reference = plain_diloco_reference(peers, steps, inner_steps)
+    losses = [test_loss(m) for m in models]
+    histories = [list(impl.history) for impl in impls]
+    assert reference < 0.05 < test_loss(linear_model(seed=0)), reference
+    # within 0.02 (absolute MSE; floor 0.01, start ~3) of plain DiLoCo on the same data
+    assert all(loss <= reference + 0.02 for loss in losses), (losses, reference, histories)
+    for impl in impls:
+        swarm = [h for h in impl.history if h[2] == "swarm"]
+        assert len(swarm) >= 6, histories  # of 12 rounds (2 fragments, 60 steps); some may fail here
+        assert all(0 <= age <= inner_steps for *_, age in swarm), histories
+        assert any(age > 0 for *_, age in swarm), histories  # inner steps went on during a round
+        assert impl.bytes_sent > 0
+    # in step after the rounds of step 60: the same round indices and anchors (a peer that a failed
+    # round left behind downloaded the state in finish())
+    assert indices[0] == indices[1], histories
+    for mine, theirs in zip(*anchors, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0, msg=lambda m: f"{m}\n{histories}")
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_round_failed_on_one_peer_is_recovered():
+    inner_steps, steps, failing_round = 10, 60, 1
+    with local_swarm(2) as dhts:
+        models = [linear_model(seed=0) for _ in dhts]
+        algorithm = DiLoCo(inner_steps, codec=None, overlap=True)
+        hooks = [None, FailOneRound(failing_round)]  # peer 1 counts its second round as failed
+        opts = [
+            make_optimizer(dht, m.parameters(), "overlap_fail", algorithm, round_hooks=h)
+            for dht, m, h in zip(dhts, models, hooks, strict=True)
+        ]
+        impls = [opt.algorithm_impl for opt in opts]
+        wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts), 30, message="both peers")
+
+        def worker(index: int) -> None:
+            generator = torch.Generator().manual_seed(index + 1)
+            impl = impls[index]
+            for _ in range(steps):
+                train_step(models[index], opts[index], generator)
+                time.sleep(0.05)
+            finish(opts[index], impl)
+
+        try:
+            run_peers(worker, 2, timeout=100)
+        finally:
+            for opt in opts:
+                opt.shutdown()
+    histories = [(list(impl.history), impl.state_loads) for impl in impls]
+    failed = [h for h in impls[1].history if h[2] != "swarm"]
+    assert failed and failed[0][1] == failing_round, histories  # the injected failure: no outer step
+    for impl in impls:  # both averaged again afterwards, with weight
+        assert any(h[2] == "swarm" and h[3] > 0 and h[1] > failing_round for h in impl.history), histories
+    anchors_agree(impls)
+    losses = [test_loss(m) for m in models]
+    assert all(loss < test_loss(linear_model(seed=0)) / 10 for loss in losses), (losses, histories)
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_late_joiner_loads_state_and_contributes():
+    inner_steps, fragments, last_step = 6, 2, 60  # the schedule is the swarm's: every peer stops at its step 60
+    with local_swarm(3) as dhts:
+        algorithm = DiLoCo(inner_steps, codec=None, overlap=True, fragments=fragments)
+        models = [linear_model(seed=0) for _ in range(2)] + [linear_model(seed=1)]  # the joiner differs
+        target = 2 * 16 * inner_steps  # an epoch per round: the joiner sees the swarm ahead and downloads
+        opts: list[Any] = [
+            make_optimizer(d, m.parameters(), "overlap_late", algorithm, target_batch_size=target)
+            for d, m in zip(dhts[:2], models[:2], strict=True)
+        ] + [None]
+        joined = threading.Event()
+
+        def worker(index: int) -> None:
+            generator = torch.Generator().manual_seed(index + 1)
+            if index == 2:
+                wait_for(lambda: all(o.algorithm_impl.round_indices[0] >= 2 for o in opts[:2]), 60, message="rounds")
+                opts[2] = make_optimizer(
+                    dhts[2], models[2].parameters(), "overlap_late", algorithm, target_batch_size=target
+                )
+                joined.set()
+            opt = opts[index]
+            impl = opt.algorithm_impl
+            while impl.step_index < last_step:
+                train_step(models[index], opt, generator)
+                time.sleep(0.05)
+            finish(opt, impl)
+
+        try:
+            run_peers(worker, 3, timeout=100)
+        finally:
+            for opt in opts:
+                if opt is not None:
+                    opt.shutdown()
+    impls = [opt.algorithm_impl for opt in opts]
+    histories = [(list(i.history), i.state_loads) for i in impls]
+    joiner = impls[2]
+    assert joined.is_set() and joiner.state_loads >= 1, histories
+    assert joiner.inner_steps < last_step - 2 * inner_steps, histories  # it followed the swarm's schedule
+    # it contributed (weight > 0) to rounds that the others applied at the same round index (the round
+    # check): those rounds moved every member's anchor the same way
+    joined_rounds = {(h[0], h[1]) for h in joiner.history if h[2] == "swarm" and h[3] > 0 and h[4] == 3}
+    assert len(joined_rounds) >= 2 and joiner.contributing_rounds >= 2, histories
+    for impl in impls[:2]:
+        assert joined_rounds & {(h[0], h[1]) for h in impl.history if h[2] == "swarm" and h[4] == 3}, histories
+    anchors_agree(impls[:2])
+    assert test_loss(models[2]) < test_loss(linear_model(seed=1)) / 10, ([test_loss(m) for m in models], histories)
