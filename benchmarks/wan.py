@@ -28,8 +28,8 @@ a venv made with ``python -m venv --system-site-packages /tmp/np1 && /tmp/np1/bi
 'numpy<2'``); without it, hivemind's 8-bit figure is left out.
 
 ``loopback:direct`` runs ``benchmarks/direct_path.py`` (no namespaces needed): the direct data
-path's throughput on loopback, encrypted (TLS 1.3, the default) against plaintext (the opt-in) and
-libp2p streams; its results join this benchmark's JSON line.
+path's throughput on loopback, encrypted (AES-GCM records, the default) against plaintext (the
+opt-in) and libp2p streams; its results join this benchmark's JSON line.
 
 Ours runs with its defaults: since session 6 that is the encrypted direct path between peers that
 can reach each other (the NAT'd peer's pairs fall back to libp2p where it cannot be dialed); the

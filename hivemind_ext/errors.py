@@ -43,9 +43,10 @@ class ProtocolError(HivemindExtError):
 
 
 class AuthenticationError(ProtocolError):
-    """A peer failed to prove the identity it claims: on the direct data path, a certificate other
-    than the one its libp2p identity sent over the ticket call, or a ticket issued to another
-    identity (see ``hivemind_ext.p2p.direct_tls``)."""
+    """A peer failed to prove the identity it claims: on the direct data path, a record not sealed
+    with the session key that the libp2p identity received over the ticket call (a stolen token,
+    a false server, an altered, replayed or reordered record), or a refused token (see
+    ``hivemind_ext.p2p.direct_records``)."""
 
 
 class MessageTooLargeError(ProtocolError):

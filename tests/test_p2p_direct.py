@@ -1,10 +1,10 @@
-"""The direct data path (TLS by default, plaintext opted into; authenticated through libp2p)
+"""The direct data path (encrypted by default, plaintext opted into; authenticated through libp2p)
 against real daemons on 127.0.0.1.
 
 Hostile callers of the token protocol are simulated by opening raw TCP connections to a plaintext
-server's direct port and writing bytes by hand (tests/test_p2p_direct_tls.py covers TLS: pinned
-certificates, stolen tickets, tampering); fallbacks by servers without the direct path, with their
-port closed, or with a listener that never answers.
+server's direct port and writing bytes by hand (tests/test_p2p_direct_records.py covers the
+encryption: session keys, stolen tokens, false servers, tampering); fallbacks by servers without
+the direct path, with their port closed, or with a listener that never answers.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ from hivemind_ext.p2p.direct_server import TicketBook, TicketHolder
 from hivemind_ext.p2p.direct_transport import DirectStream, open_direct_connection, start_direct_server
 from hivemind_ext.p2p.direct_wire import (
     ACCEPTED,
-    HELLO_HEAD,
+    HELLO,
     HELLO_MAGIC,
     REJECTED,
     TICKET_HANDLER,
     Ticket,
+    encode_handler_name,
     encode_hello,
     parse_ticket_response,
     ticket_request,
@@ -87,7 +88,7 @@ class Pair:
 
     async def ticket(self) -> Ticket:
         assert self.client.direct is not None
-        request = Message(ticket_request(2, self.client.direct.identity.cert_der))
+        request = Message(ticket_request(2))
         response = await self.client.call(self.peer, TICKET_HANDLER, request, timeout=5)
         return parse_ticket_response(response.header)
 
@@ -115,6 +116,11 @@ async def pair(
         await server.shutdown()
         await client_p2p.shutdown()
         await server_p2p.shutdown()
+
+
+def hello(token: bytes, handler: str) -> bytes:
+    """A plaintext connection's hello: the token, then the handler name in clear."""
+    return encode_hello(token) + encode_handler_name(handler)
 
 
 async def raw_hello(port: int, data: bytes, read_timeout: float = 5.0) -> bytes:
@@ -165,18 +171,18 @@ async def test_wrong_reused_and_expired_tokens_are_rejected_and_the_server_keeps
     async with pair(DirectConfig(host="127.0.0.1", token_ttl=0.5, plaintext=True), ALLOW_PLAINTEXT) as peers:
         ticket = await peers.ticket()
         port, tokens = ticket.port, ticket.tokens
-        assert await raw_hello(port, encode_hello(os.urandom(32), "whoami")) == REJECTED  # never issued
-        assert (await raw_hello(port, encode_hello(tokens[0], "no_such_handler")))[:1] == REJECTED
-        assert await raw_hello(port, encode_hello(tokens[0], "whoami")) == REJECTED  # consumed above
-        assert (await raw_hello(port, encode_hello(tokens[1], TICKET_HANDLER)))[:1] == REJECTED
+        assert await raw_hello(port, hello(os.urandom(32), "whoami")) == REJECTED  # never issued
+        assert (await raw_hello(port, hello(tokens[0], "no_such_handler")))[:1] == REJECTED
+        assert await raw_hello(port, hello(tokens[0], "whoami")) == REJECTED  # consumed above
+        assert (await raw_hello(port, hello(tokens[1], TICKET_HANDLER)))[:1] == REJECTED
         fresh = (await peers.ticket()).tokens
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(encode_hello(fresh[0], "whoami"))
+        writer.write(hello(fresh[0], "whoami"))
         assert await reader.readexactly(1) == ACCEPTED
         writer.close()
-        assert await raw_hello(port, encode_hello(fresh[0], "whoami")) == REJECTED  # reused
+        assert await raw_hello(port, hello(fresh[0], "whoami")) == REJECTED  # reused
         await asyncio.sleep(0.7)
-        assert await raw_hello(port, encode_hello(fresh[1], "whoami")) == REJECTED  # expired
+        assert await raw_hello(port, hello(fresh[1], "whoami")) == REJECTED  # expired
         # the client's cached tickets are void too: it falls back, then the call still succeeds
         assert (await peers.whoami()).header["peer"] == peers.client_p2p.peer_id.to_base58()
 
@@ -184,19 +190,23 @@ async def test_wrong_reused_and_expired_tokens_are_rejected_and_the_server_keeps
 def test_ticket_book_issues_redeems_once_and_expires() -> None:
     book = TicketBook(DirectConfig(host="127.0.0.1", token_ttl=10, max_tokens_per_peer=3, max_tokens=5))
     alice, bob = PeerID(b"alice-peer-id"), PeerID(b"bob-peer-id")
-    tokens = book.issue(alice, 2, now=0.0)
+    tokens, keys = book.issue(alice, 2, now=0.0)
     assert len(set(tokens)) == 2 and all(len(token) == 32 for token in tokens)
-    assert book.redeem(tokens[0], now=1.0) == TicketHolder(alice, None)
+    assert len(set(keys)) == 2 and all(len(key) == 32 for key in keys)  # a fresh session key per token
+    assert book.redeem(tokens[0], now=1.0) == TicketHolder(alice, keys[0])
     assert book.redeem(tokens[0], now=1.0) is None  # one-time
     assert book.redeem(tokens[1], now=10.0) is None  # expired
     assert book.redeem(os.urandom(32), now=1.0) is None
-    many = book.issue(alice, 5, now=20.0)  # per-peer cap: only the newest 3 survive
+    many, _ = book.issue(alice, 5, now=20.0)  # per-peer cap: only the newest 3 survive
     assert [book.redeem(token, now=21.0) for token in many[:2]] == [None, None]
     assert len(book) == 3
     book.issue(bob, 3, now=22.0)  # global cap of 5: alice's oldest go first
     assert len(book) == 5 and book.redeem(many[2], now=23.0) is None
     book.expire(now=100.0)
     assert len(book) == 0
+    plaintext = TicketBook(DirectConfig(host="127.0.0.1", plaintext=True))
+    tokens, keys = plaintext.issue(alice, 1, now=0.0)
+    assert keys is None and plaintext.redeem(tokens[0], now=1.0) == TicketHolder(alice, None)
 
 
 def test_direct_config_is_validated() -> None:
@@ -280,10 +290,10 @@ async def test_garbage_and_idle_connections_do_not_crash_or_hang_the_server() ->
         assert await raw_hello(port, os.urandom(4096)) in (b"", REJECTED)  # bad magic: dropped
         assert await raw_hello(port, HELLO_MAGIC + os.urandom(32) + b"\xff\xff" + b"x" * 100) in (b"", REJECTED)
         assert await raw_hello(port, b"") == b""  # connects, says nothing: dropped at hello_timeout
-        assert await raw_hello(port, HELLO_HEAD.pack(HELLO_MAGIC, os.urandom(32), 5)[:20]) == b""
+        assert await raw_hello(port, HELLO.pack(HELLO_MAGIC, os.urandom(32))[:20]) == b""
         tokens = (await peers.ticket()).tokens
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(encode_hello(tokens[0], "whoami") + os.urandom(1000))  # accepted, then garbage frames
+        writer.write(hello(tokens[0], "whoami") + os.urandom(1000))  # accepted, then garbage frames
         assert await reader.readexactly(1) == ACCEPTED
         tail = await asyncio.wait_for(reader.read(), 15)  # an ERROR frame at most, then closed
         assert len(tail) < 1000

@@ -24,9 +24,16 @@ from test_p2p import NAMESPACE, Peers, async_test, frame_bytes, open_frame, serv
 
 from hivemind_ext.errors import MessageTooLargeError
 from hivemind_ext.p2p import DirectConfig, FrameKind, HandlerConfig, Limits, Message, framing, protocol_name
-from hivemind_ext.p2p.direct_tls import DirectIdentity, client_context, sni_name
-from hivemind_ext.p2p.direct_transport import connect_tcp, start_client_session
-from hivemind_ext.p2p.direct_wire import ACCEPTED, TICKET_HANDLER, encode_hello, parse_ticket_response, ticket_request
+from hivemind_ext.p2p.direct_records import CALLER
+from hivemind_ext.p2p.direct_transport import connect_tcp, seal, start_client_session
+from hivemind_ext.p2p.direct_wire import (
+    ACCEPTED,
+    TICKET_HANDLER,
+    encode_handler_name,
+    encode_hello,
+    parse_ticket_response,
+    ticket_request,
+)
 from hivemind_ext.p2p.receive_budget import ReceiveBudget, receiving_bytes
 
 MB = 1024 * 1024
@@ -69,13 +76,12 @@ async def open_hostile(peers: Peers, direct: bool) -> tuple[asyncio.StreamWriter
             peers.peer, protocol_name(NAMESPACE, "sink")
         )
         return writer, reader
-    identity = DirectIdentity.generate()  # over TLS, as every direct caller by default
-    request = Message(ticket_request(1, identity.cert_der))
+    request = Message(ticket_request(1))  # encrypted, as every direct caller by default
     ticket = parse_ticket_response((await peers.client.call(peers.peer, TICKET_HANDLER, request, timeout=10)).header)
-    tls = client_context(identity, ticket.cert)
-    sock = await connect_tcp(ticket.host, ticket.port)
-    reader, writer = await start_client_session(sock, tls=tls, server_name=sni_name(identity.cert_der))
-    writer.write(encode_hello(ticket.tokens[0], "sink"))
+    reader, writer = await start_client_session(await connect_tcp(ticket.host, ticket.port))
+    writer.write(encode_hello(ticket.tokens[0]))
+    reader, writer = seal(reader, writer, ticket.keys[0], CALLER)
+    writer.write(encode_handler_name("sink"))
     assert await asyncio.wait_for(reader.readexactly(1), 10) == ACCEPTED
     return writer, None
 

@@ -91,7 +91,7 @@ class RoundReport:
     missing: dict[str, str] = dataclasses.field(default_factory=dict)  # contributing members left out, why
     part_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # values each owner reduced
     receive_rate: float | None = None  # bytes/s this peer received at (None: too little data to tell)
-    # groupmate -> the path this peer's streams to it took: "direct" (TLS), "direct-plaintext" or
+    # groupmate -> the path this peer's streams to it took: "direct" (encrypted), "direct-plaintext" or
     # "libp2p"; groupmates it opened no stream to (client-mode peers own no part) are not listed
     transports: dict[str, str] = dataclasses.field(default_factory=dict)
     # groupmate -> why the direct path to it failed (the typed error), for the pairs that fell back to libp2p
@@ -140,8 +140,9 @@ class DecentralizedAverager:
     :param client_mode: accept no incoming connections (default: the DHT's mode)
     :param shutdown_timeout: how long shutdown waits for background work
     :param direct_data_path: on by default (``True``): all-reduce streams and state downloads go
-      over direct TLS 1.3 connections between peers that can reach each other, with both sides'
-      certificates pinned through their libp2p identities (see ``hivemind_ext.p2p.direct_tls``),
+      over direct TCP connections between peers that can reach each other, encrypted (AES-GCM)
+      with session keys handed out over their authenticated libp2p channel (see
+      ``hivemind_ext.p2p.direct_records``),
       and over libp2p for every pair where no direct connection can be made (client mode, NAT, a
       firewall); ``last_round.transports`` says which pair used which. It saves the daemons' copies,
       which dominate the CPU cost of large rounds on fast links. ``True`` listens on the address of

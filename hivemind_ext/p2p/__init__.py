@@ -6,9 +6,9 @@ the wire format, :mod:`~hivemind_ext.p2p.server` (registration), :mod:`~hivemind
 (what a handler sees) and :mod:`~hivemind_ext.p2p.client` (calls). One
 :class:`~hivemind_ext.p2p.runtime.PeerRuntime` per peer gives its components one event loop, one
 P2P replica, one RPC server and one way to call the DHT with a deadline
-(:mod:`~hivemind_ext.p2p.dht_calls`). The direct data path (TLS 1.3 connections between peers, their
-certificates pinned through libp2p; plaintext as an explicit opt-in) is described in
-:mod:`~hivemind_ext.p2p.direct_wire` and :mod:`~hivemind_ext.p2p.direct_tls`.
+(:mod:`~hivemind_ext.p2p.dht_calls`). The direct data path (TCP connections between peers, AES-GCM records
+under session keys handed out over libp2p; plaintext as an explicit opt-in) is described in
+:mod:`~hivemind_ext.p2p.direct_wire` and :mod:`~hivemind_ext.p2p.direct_records`.
 """
 
 from hivemind_ext.p2p.client import ClientStream, RPCClient

@@ -14,8 +14,8 @@ Any failure raises a typed error (see ``hivemind_ext.errors``); an ERROR frame f
 becomes the exception its kind names (``RemoteError`` for a handler exception). A failed,
 cancelled or timed-out operation closes the stream: it cannot be resumed mid-frame.
 
-With ``prefer_direct=True`` a call first tries the peer's direct data path (TLS 1.3 with both
-certificates pinned through libp2p, see :mod:`~hivemind_ext.p2p.direct_wire`) and falls back to
+With ``prefer_direct=True`` a call first tries the peer's direct data path (AES-GCM records under
+session keys handed out over libp2p, see :mod:`~hivemind_ext.p2p.direct_wire`) and falls back to
 libp2p whenever that path is unavailable; :meth:`RPCClient.transports_since` tells which path the
 calls to each peer took.
 """

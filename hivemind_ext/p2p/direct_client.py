@@ -1,9 +1,9 @@
-"""The caller's half of the direct data path: tickets per peer, TLS (or TCP) connect and hello.
+"""The caller's half of the direct data path: tickets (tokens and session keys) per peer, connect and hello.
 
-See :mod:`~hivemind_ext.p2p.direct_wire` for the protocol and :mod:`~hivemind_ext.p2p.direct_tls`
+See :mod:`~hivemind_ext.p2p.direct_wire` for the protocol and :mod:`~hivemind_ext.p2p.direct_records`
 for the encryption. :meth:`DirectConnector.connect` either returns a connection whose hello the
 server accepted, or None: it never raises for a failed attempt (no ticket handler, refused,
-unreachable, timed out, a certificate other than the pinned one, rejected), so that the caller
+unreachable, timed out, an answer not sealed with the token's key, rejected), so that the caller
 falls back to libp2p transparently; the typed error of the last failure per peer is kept
 (:meth:`DirectConnector.last_failure`) and logged at debug level. A peer whose direct path failed is
 not tried again for ``retry_after`` seconds, so a peer without it costs one failed attempt, not one
@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import math
 import socket
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 
@@ -35,12 +34,13 @@ from hivemind_ext.errors import (
     ProtocolError,
 )
 from hivemind_ext.p2p.deadlines import check_durations, now, wait_until
-from hivemind_ext.p2p.direct_tls import DirectIdentity, check_pinned, client_context, fingerprint, sni_name
-from hivemind_ext.p2p.direct_transport import DirectStream, connect_tcp, start_client_session
+from hivemind_ext.p2p.direct_records import CALLER
+from hivemind_ext.p2p.direct_transport import DirectStream, connect_tcp, seal, start_client_session
 from hivemind_ext.p2p.direct_wire import (
     ACCEPTED,
     MAX_TOKENS_PER_TICKET,
     Transport,
+    encode_handler_name,
     encode_hello,
     parse_ticket_response,
     ticket_request,
@@ -58,7 +58,7 @@ class DirectClientConfig:
     """How a caller uses the direct data path.
 
     :param ticket_timeout: the ticket call over libp2p gives up after this long
-    :param connect_timeout: TCP connect, TLS handshake, hello and its acknowledgement give up after this long
+    :param connect_timeout: TCP connect, hello and its acknowledgement give up after this long
     :param retry_after: after a failure, the peer is reached over libp2p only for this long
     :param tokens_per_ticket: tokens fetched per ticket call
     :param max_peers: peers whose tickets are remembered (least recently used are forgotten)
@@ -87,9 +87,8 @@ class DirectClientConfig:
 class _PeerTickets:
     host: str = ""
     port: int = 0
-    tls: ssl.SSLContext | None = None  # pins the server's certificate; None: the server speaks plaintext
-    server_fingerprint: bytes = b""
-    tokens: collections.deque[tuple[bytes, float]] = dataclasses.field(default_factory=collections.deque)
+    # (token, its session key or None for plaintext, expiry time)
+    tokens: collections.deque[tuple[bytes, bytes | None, float]] = dataclasses.field(default_factory=collections.deque)
     failed_until: float = -math.inf  # time.monotonic(), like the token expiry times
     last_failure: HivemindExtError | None = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
@@ -101,17 +100,11 @@ Connection = tuple[DirectStream, asyncio.StreamWriter]
 
 
 class DirectConnector:
-    """Opens direct connections to peers' handlers, with tickets fetched through ``ticket_call``.
+    """Opens direct connections to peers' handlers, with tickets fetched through ``ticket_call``
+    (over libp2p: the session keys arrive only over that authenticated channel)."""
 
-    :param identity: this caller's TLS certificate (default: a fresh one), sent with every ticket
-      request so that servers accept it, and only it, for this caller's libp2p identity
-    """
-
-    def __init__(
-        self, ticket_call: TicketCall, config: DirectClientConfig | None = None, identity: DirectIdentity | None = None
-    ) -> None:
+    def __init__(self, ticket_call: TicketCall, config: DirectClientConfig | None = None) -> None:
         self.config = config if config is not None else DirectClientConfig()
-        self.identity = identity if identity is not None else DirectIdentity.generate()
         self._ticket_call = ticket_call
         self._peers: collections.OrderedDict[PeerID, _PeerTickets] = collections.OrderedDict()
 
@@ -139,7 +132,7 @@ class DirectConnector:
                 f"direct connection to {peer_id}",
             )
             state.last_failure = None
-            return connection, "direct" if state.tls is not None else "direct-plaintext"
+            return connection, "direct" if token[1] is not None else "direct-plaintext"
         except (HivemindExtError, ConnectionError, OSError) as e:
             error = e if isinstance(e, HivemindExtError) else _typed(e)
             logger.debug(f"direct path to {peer_id} failed, using libp2p: {type(error).__name__}: {error}")
@@ -158,43 +151,39 @@ class DirectConnector:
             self._peers.move_to_end(peer_id)
         return state
 
-    async def _take_token(self, peer_id: PeerID, state: _PeerTickets, deadline: float) -> bytes:
+    async def _take_token(self, peer_id: PeerID, state: _PeerTickets, deadline: float) -> tuple[bytes, bytes | None]:
+        """(token, its session key or None for a plaintext server), fetching a ticket if none is left."""
         async with state.lock:  # concurrent calls to one peer share one ticket call
-            while state.tokens and state.tokens[0][1] <= time.monotonic():
+            while state.tokens and state.tokens[0][2] <= time.monotonic():
                 state.tokens.popleft()
             if not state.tokens:
                 asked_at = time.monotonic()
-                request = Message(ticket_request(self.config.tokens_per_ticket, self.identity.cert_der))
+                request = Message(ticket_request(self.config.tokens_per_ticket))
                 response = await self._ticket_call(peer_id, request, min(deadline, now() + self.config.ticket_timeout))
                 ticket = parse_ticket_response(response.header)
-                if ticket.cert is None and not self.config.allow_plaintext:
+                if ticket.keys is None and not self.config.allow_plaintext:
                     raise ProtocolError("the peer offers only a plaintext direct path (allow_plaintext is off)")
-                if ticket.cert is None:
-                    state.tls, state.server_fingerprint = None, b""
-                elif fingerprint(ticket.cert) != state.server_fingerprint:
-                    state.tls = client_context(self.identity, ticket.cert)  # a new server certificate: pin it
-                    state.server_fingerprint = fingerprint(ticket.cert)
                 state.host, state.port = ticket.host, ticket.port
-                state.tokens.extend((token, asked_at + ticket.ttl - TOKEN_EXPIRY_MARGIN) for token in ticket.tokens)
-            return state.tokens.popleft()[0]
+                keys = ticket.keys if ticket.keys is not None else [None] * len(ticket.tokens)
+                expiry = asked_at + ticket.ttl - TOKEN_EXPIRY_MARGIN
+                state.tokens.extend((token, key, expiry) for token, key in zip(ticket.tokens, keys, strict=True))
+            token, key, _ = state.tokens.popleft()
+            return token, key
 
-    async def _open(self, state: _PeerTickets, token: bytes, handler: str) -> Connection:
+    async def _open(self, state: _PeerTickets, token: tuple[bytes, bytes | None], handler: str) -> Connection:
         sock = await connect_tcp(state.host, state.port)  # failing here: the peer is unreachable
-        try:  # past this point the server is reached: a failure is a refusal of this caller (or of the server's cert)
-            return await self._session(sock, state, token, handler)
-        except ssl.SSLCertVerificationError as e:
-            raise AuthenticationError(f"the direct path's server presented an unpinned certificate: {e}") from None
-        except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError) as e:
-            # in TLS 1.3 the server's verdict on our certificate comes after our side of the handshake
-            what = "TLS session" if state.tls is not None else "connection"
-            raise AuthenticationError(f"the server ended the direct {what} before accepting it: {e!r}") from None
+        try:  # past this point the server is reached: a failure is a refusal of this caller (or a false server)
+            return await self._session(sock, token, handler)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            raise AuthenticationError(f"the server ended the direct connection before accepting it: {e!r}") from None
 
-    async def _session(self, sock: socket.socket, state: _PeerTickets, token: bytes, handler: str) -> Connection:
-        reader, writer = await start_client_session(sock, tls=state.tls, server_name=sni_name(self.identity.cert_der))
+    async def _session(self, sock: socket.socket, token: tuple[bytes, bytes | None], handler: str) -> Connection:
+        reader, writer = await start_client_session(sock)
         try:
-            if state.tls is not None:
-                check_pinned(writer.get_extra_info("ssl_object"), state.server_fingerprint)
-            writer.write(encode_hello(token, handler))
+            writer.write(encode_hello(token[0]))
+            if token[1] is not None:  # the server's answer must authenticate under the key too
+                reader, writer = seal(reader, writer, token[1], CALLER)
+            writer.write(encode_handler_name(handler))
             answer = await reader.readexactly(1)
         except BaseException:
             writer.transport.abort()

@@ -1,11 +1,11 @@
-"""The server's half of the direct data path: its settings, its tokens, its TLS/TCP listener.
+"""The server's half of the direct data path: its settings, its tokens and keys, its TCP listener.
 
 See :mod:`~hivemind_ext.p2p.direct_wire` for the protocol and why it exists, and
-:mod:`~hivemind_ext.p2p.direct_tls` for the encryption. By default connections are TLS 1.3 with
-the caller's certificate pinned; ``DirectConfig(plaintext=True)`` serves plain TCP instead (for
-loopback or trusted networks only). Every call that arrives directly is authenticated by a
-one-time token that the caller obtained over libp2p (over TLS, bound to the certificate it sent
-with the ticket request), so a handler sees the same ``ctx.peer_id`` either way.
+:mod:`~hivemind_ext.p2p.direct_records` for the encryption. By default every connection is
+AEAD records under a key issued with its token; ``DirectConfig(plaintext=True)`` serves plain TCP
+instead (for loopback or trusted networks only). Every call that arrives directly is authenticated
+by a one-time token (and, encrypted, its key) that the caller obtained over libp2p, so a handler
+sees the same ``ctx.peer_id`` either way.
 
 :class:`TicketBook` is pure bookkeeping (issue, redeem, expire), tested without a network.
 :class:`DirectListener` owns the server socket; the RPC server owns the connections it accepts.
@@ -25,7 +25,7 @@ from hivemind.p2p import PeerID
 
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.p2p.deadlines import check_durations
-from hivemind_ext.p2p.direct_tls import DirectIdentity, ServerContexts
+from hivemind_ext.p2p.direct_records import new_session_key
 from hivemind_ext.p2p.direct_transport import DirectStream, start_direct_server
 from hivemind_ext.p2p.direct_wire import TOKEN_BYTES
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DirectConfig:
-    """Settings of a server's direct data path (TLS 1.3 by default, authenticated through libp2p).
+    """Settings of a server's direct data path (encrypted by default, authenticated through libp2p).
 
     :param host: IP address to listen on (e.g. ``"127.0.0.1"``, or ``"0.0.0.0"`` for every interface)
     :param port: TCP port to listen on (0: any free port)
@@ -42,7 +42,7 @@ class DirectConfig:
       when listening on a wildcard address such as ``0.0.0.0``)
     :param advertise_port: the port callers should connect to (default: the bound port), e.g. a
       port forwarded to this one by a NAT router
-    :param plaintext: serve plain TCP instead of TLS: anyone on the path can read and alter the
+    :param plaintext: serve plain TCP instead of encrypted records: anyone on the path can read and alter the
       data. An explicit opt-in, for loopback or trusted networks; callers must opt in too
       (``DirectClientConfig(allow_plaintext=True)``) or they use libp2p
     :param token_ttl: a token not redeemed within this many seconds is forgotten
@@ -50,10 +50,7 @@ class DirectConfig:
     :param max_tokens: outstanding tokens in all; issuing more drops the oldest
     :param hello_timeout: a new connection must present its token within this time
     :param max_pending_hellos: connections still in their hello beyond this many are dropped at
-      once, which bounds what a flood of idle connections can cost (a TLS handshake not done
-      within ``hello_timeout`` is dropped too)
-    :param max_tls_contexts: callers' certificates remembered (one TLS context each, a few KiB);
-      beyond this many the least recently issued are forgotten and must ask for a ticket again
+      once, which bounds what a flood of idle connections can cost
     """
 
     host: str
@@ -66,7 +63,6 @@ class DirectConfig:
     max_tokens: int = 4096
     hello_timeout: float = 5.0
     max_pending_hellos: int = 64
-    max_tls_contexts: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("host", "advertise_host"):
@@ -88,7 +84,7 @@ class DirectConfig:
         if not isinstance(self.plaintext, bool):
             raise ConfigurationError(f"plaintext must be a bool, got {self.plaintext!r}")
         check_durations(self, "token_ttl", "hello_timeout")
-        for name in ("max_tokens_per_peer", "max_tokens", "max_pending_hellos", "max_tls_contexts"):
+        for name in ("max_tokens_per_peer", "max_tokens", "max_pending_hellos"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
@@ -100,16 +96,16 @@ class DirectConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TicketHolder:
-    """Whom a token was issued to: a libp2p identity and the fingerprint of the TLS certificate it
-    sent with the ticket request (None for a plaintext server)."""
+    """Whom a token was issued to (a libp2p identity) and the session key issued with it, which
+    only that identity received (None for a plaintext server)."""
 
     peer_id: PeerID
-    cert_fingerprint: bytes | None
+    key: bytes | None
 
 
 class TicketBook:
-    """One-time tokens, each bound to the libp2p PeerID (and TLS certificate) that asked for it,
-    with an expiry time.
+    """One-time tokens, each bound to the libp2p PeerID that asked for it, with its session key
+    (encrypted servers) and an expiry time.
 
     Times are on whatever monotonic clock the caller passes (the event loop's in practice).
     """
@@ -123,20 +119,21 @@ class TicketBook:
     def __len__(self) -> int:
         return len(self._tokens)
 
-    def issue(self, peer_id: PeerID, count: int, now: float, cert_fingerprint: bytes | None = None) -> list[bytes]:
-        """``count`` fresh tokens for ``peer_id`` (holding the certificate with that fingerprint),
-        valid until ``now + token_ttl``."""
+    def issue(self, peer_id: PeerID, count: int, now: float) -> tuple[list[bytes], list[bytes] | None]:
+        """``count`` fresh tokens for ``peer_id``, valid until ``now + token_ttl``, and their
+        session keys (None for a plaintext server)."""
         self.expire(now)
-        holder = TicketHolder(peer_id, cert_fingerprint)
         tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in range(count)]
-        for token in tokens:
+        keys = None if self.config.plaintext else [new_session_key() for _ in range(count)]
+        for i, token in enumerate(tokens):
             if self._per_peer[peer_id] >= self.config.max_tokens_per_peer:
                 self._drop_oldest_of(peer_id)
             if len(self._tokens) >= self.config.max_tokens:
                 self._forget(next(iter(self._tokens)))
+            holder = TicketHolder(peer_id, keys[i] if keys is not None else None)
             self._tokens[token] = (holder, now + self.config.token_ttl)
             self._per_peer[peer_id] += 1
-        return tokens
+        return tokens, keys
 
     def redeem(self, token: bytes, now: float) -> TicketHolder | None:
         """Whom a valid token was issued to, consuming it; None if unknown, used or expired."""
@@ -173,15 +170,12 @@ ConnectionCallback = Callable[[DirectStream, asyncio.StreamWriter], Awaitable[No
 
 
 class DirectListener:
-    """A server socket whose connections go to ``on_connection`` (which must own and close them):
-    TLS with this server's own certificate, unless the config says plaintext."""
+    """A server socket whose connections go to ``on_connection`` (which must own and close them)."""
 
     def __init__(self, config: DirectConfig, on_connection: ConnectionCallback) -> None:
         self.config, self._on_connection = config, on_connection
         self._server: asyncio.AbstractServer | None = None
         self.port = 0  # the bound port, once started
-        # one context per caller certificate a ticket was issued for (see direct_tls)
-        self.tls = None if config.plaintext else ServerContexts(DirectIdentity.generate(), config.max_tls_contexts)
 
     @property
     def advertised(self) -> tuple[str, int]:
@@ -191,13 +185,7 @@ class DirectListener:
 
     async def start(self) -> None:
         """Binds and listens (the event loop sets TCP_NODELAY on every accepted connection)."""
-        self._server = await start_direct_server(
-            self._on_connection,
-            self.config.host,
-            self.config.port,
-            tls=self.tls.listening if self.tls is not None else None,
-            handshake_timeout=self.config.hello_timeout,
-        )
+        self._server = await start_direct_server(self._on_connection, self.config.host, self.config.port)
         sockets = self._server.sockets
         self.port = int(sockets[0].getsockname()[1]) if sockets else self.config.port
 

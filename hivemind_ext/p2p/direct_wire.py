@@ -5,40 +5,42 @@ more CPU than the peers themselves, so two peers that can reach each other direc
 (all-reduce streams, state downloads) over their own TCP connection instead, falling back to
 libp2p where no direct connection can be made.
 
-By default the connection is TLS 1.3 with both certificates pinned through libp2p (see
-:mod:`~hivemind_ext.p2p.direct_tls`); plaintext is an explicit opt-in on both sides
+By default everything after the hello is AEAD records (AES-256-GCM with a key per token, see
+:mod:`~hivemind_ext.p2p.direct_records`); plaintext is an explicit opt-in on both sides
 (``DirectConfig(plaintext=True)`` on the server, ``DirectClientConfig(allow_plaintext=True)`` on
 the caller) for loopback or trusted networks.
 
 Authentication reuses libp2p's: a caller asks the server for tickets with a unary call over an
-(authenticated, encrypted) libp2p stream, sending its TLS certificate. The server remembers which
-PeerID asked with which certificate and answers with its TCP address, its own certificate and
-random one-time tokens. A connection is accepted only over TLS with the caller's certificate and
-a valid, unexpired, unused token issued for that certificate (plaintext: the token alone), and the
-call it carries is served as if that PeerID had opened it over libp2p (handlers see the same
-``ctx.peer_id``).
+(authenticated, encrypted) libp2p stream. The server remembers which PeerID asked and answers with
+its TCP address, random one-time tokens and, with each token, a fresh random session key. A
+connection is accepted only with a valid, unexpired, unused token whose first record authenticates
+under that token's key (plaintext: the token alone), and the call it carries is served as if that
+PeerID had opened it over libp2p (handlers see the same ``ctx.peer_id``).
 
 Ticket call (unary, handler :data:`TICKET_HANDLER`)::
 
-    request  {"count": k, "cert": DER bytes}            1 <= k <= MAX_TOKENS_PER_TICKET; "cert" may
-                                                        be left out only for a plaintext server
+    request  {"count": k}                               1 <= k <= MAX_TOKENS_PER_TICKET
     response {"host": str, "port": int, "ttl": seconds, "tokens": [32-byte bin, ...],
-              "cert": DER bytes}                        no "cert": the server speaks plaintext
+              "keys": [32-byte bin, ...]}               one key per token; no "keys": the server
+                                                        speaks plaintext
              or {"error": str} for a malformed request
 
-TCP connection: the TLS handshake (the caller's SNI names its certificate, see
-:func:`~hivemind_ext.p2p.direct_tls.sni_name`; none for plaintext), then, caller first::
+TCP connection, caller first, in clear::
 
     offset  size  field
-    0       4     magic b"hxd1"
-    4       32    token
-    36      2     handler name length L (u16, little-endian), 1 <= L <= MAX_HANDLER_NAME_BYTES
-    38      L     handler name (utf-8), in the server's namespace
+    0       4     magic b"hxd2"
+    4       32    token (names the key; not a secret)
 
+then, inside records (or in clear on a plaintext connection)::
+
+    caller -> 2 bytes handler name length L (u16, little-endian), 1 <= L <= MAX_HANDLER_NAME_BYTES,
+              then L bytes: the handler name (utf-8), in the server's namespace
     server -> 1 byte: ACCEPTED (0x01), or REJECTED (0x00) and close
 
-After ACCEPTED the connection carries exactly one call, framed as over libp2p
-(:mod:`~hivemind_ext.p2p.framing`: OPEN, MESSAGE..., END/ERROR).
+An encrypted server answers nothing, and closes, until the caller's first record authenticates
+(an unknown token or a record under another key gets no answer at all). After ACCEPTED the
+connection carries exactly one call, framed as over libp2p (:mod:`~hivemind_ext.p2p.framing`:
+OPEN, MESSAGE..., END/ERROR).
 """
 
 from __future__ import annotations
@@ -50,79 +52,95 @@ import struct
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from hivemind_ext.errors import PeerUnreachableError, ProtocolError
+from hivemind_ext.errors import HivemindExtError, PeerUnreachableError, ProtocolError
 from hivemind_ext.p2p.deadlines import wait_until
-from hivemind_ext.p2p.direct_tls import check_certificate
+from hivemind_ext.p2p.direct_records import KEY_BYTES
 from hivemind_ext.p2p.direct_transport import DirectStream
 
 # Which path a call took: "direct" is the encrypted direct path, "direct-plaintext" the opt-in one.
 Transport = Literal["libp2p", "direct", "direct-plaintext"]
 TICKET_HANDLER = "_direct_ticket"  # reserved name in every namespace that enables the direct path
-HELLO_MAGIC = b"hxd1"
+HELLO_MAGIC = b"hxd2"
 TOKEN_BYTES = 32
-HELLO_HEAD = struct.Struct(f"<4s{TOKEN_BYTES}sH")
+HELLO = struct.Struct(f"<4s{TOKEN_BYTES}s")
+NAME_LENGTH = struct.Struct("<H")
 MAX_HANDLER_NAME_BYTES = 200  # the same bound as protocol_name()
 MAX_TOKENS_PER_TICKET = 16
 ACCEPTED = b"\x01"
 REJECTED = b"\x00"
 
 
-def encode_hello(token: bytes, handler: str) -> bytes:
-    name = handler.encode()
+def encode_hello(token: bytes) -> bytes:
     if len(token) != TOKEN_BYTES:
         raise ProtocolError(f"a direct token has {TOKEN_BYTES} bytes, got {len(token)}")
+    return HELLO.pack(HELLO_MAGIC, token)
+
+
+def encode_handler_name(handler: str) -> bytes:
+    name = handler.encode()
     if not 1 <= len(name) <= MAX_HANDLER_NAME_BYTES:
         raise ProtocolError(f"handler name of {len(name)} bytes does not fit a hello")
-    return HELLO_HEAD.pack(HELLO_MAGIC, token, len(name)) + name
+    return NAME_LENGTH.pack(len(name)) + name
 
 
-async def read_hello(reader: DirectStream, deadline: float) -> tuple[bytes, str]:
-    """(token, handler name) from a new TCP connection, or ProtocolError / DeadlineExceededError.
+async def read_hello(reader: DirectStream, deadline: float) -> bytes:
+    """The token from a new TCP connection, or ProtocolError / DeadlineExceededError (a fixed
+    number of bytes: garbage costs at most that and ``deadline`` of waiting)."""
+    magic, token = HELLO.unpack(await wait_until(_read(reader, HELLO.size), deadline, "reading a direct hello"))
+    if magic != HELLO_MAGIC:
+        raise ProtocolError(f"not a hivemind_ext direct hello (magic {magic!r})")
+    return token
 
-    Both lengths are fixed or bounded before anything is read, so garbage costs at most a few
-    hundred bytes and ``deadline`` of waiting.
-    """
-    return await wait_until(_read_hello(reader), deadline, "reading a direct hello")
+
+async def read_handler_name(reader: DirectStream, deadline: float) -> str:
+    """The handler name that follows the hello (inside the first record of an encrypted connection:
+    an AuthenticationError if that record is not sealed with the token's key)."""
+    return await wait_until(_read_handler_name(reader), deadline, "reading a direct hello")
 
 
-async def _read_hello(reader: DirectStream) -> tuple[bytes, str]:
+async def _read_handler_name(reader: DirectStream) -> str:
+    (name_length,) = NAME_LENGTH.unpack(await _read(reader, NAME_LENGTH.size))
+    if not 1 <= name_length <= MAX_HANDLER_NAME_BYTES:
+        raise ProtocolError(f"direct hello declares a handler name of {name_length} bytes")
     try:
-        magic, token, name_length = HELLO_HEAD.unpack(await reader.readexactly(HELLO_HEAD.size))
-        if magic != HELLO_MAGIC:
-            raise ProtocolError(f"not a hivemind_ext direct hello (magic {magic!r})")
-        if not 1 <= name_length <= MAX_HANDLER_NAME_BYTES:
-            raise ProtocolError(f"direct hello declares a handler name of {name_length} bytes")
-        raw_name = await reader.readexactly(name_length)
-    except asyncio.IncompleteReadError:
-        raise ProtocolError("connection closed inside a direct hello") from None
-    except (ConnectionError, OSError) as e:
-        raise PeerUnreachableError(f"connection broke inside a direct hello: {type(e).__name__}") from e
-    try:
-        return token, raw_name.decode()
+        return (await _read(reader, name_length)).decode()
     except UnicodeDecodeError:
         raise ProtocolError("direct hello's handler name is not utf-8") from None
 
 
+async def _read(reader: DirectStream, nbytes: int) -> bytes:
+    try:
+        return await reader.readexactly(nbytes)
+    except asyncio.IncompleteReadError:
+        raise ProtocolError("connection closed inside a direct hello") from None
+    except HivemindExtError:
+        raise
+    except (ConnectionError, OSError) as e:
+        raise PeerUnreachableError(f"connection broke inside a direct hello: {type(e).__name__}") from e
+
+
 @dataclasses.dataclass(frozen=True)
 class Ticket:
-    """What a ticket response says: where to connect, for how long, with which tokens, and the
-    server's certificate to pin (None: the server speaks plaintext)."""
+    """What a ticket response says: where to connect, for how long, with which tokens, and each
+    token's session key (None: the server speaks plaintext)."""
 
     host: str
     port: int
     ttl: float
     tokens: list[bytes]
-    cert: bytes | None
+    keys: list[bytes] | None
 
 
-def ticket_request(count: int, cert: bytes | None) -> dict[str, Any]:
-    return {"count": count} if cert is None else {"count": count, "cert": cert}
+def ticket_request(count: int) -> dict[str, Any]:
+    return {"count": count}
 
 
-def ticket_response(host: str, port: int, ttl: float, tokens: list[bytes], cert: bytes | None) -> dict[str, Any]:
+def ticket_response(
+    host: str, port: int, ttl: float, tokens: list[bytes], keys: list[bytes] | None
+) -> dict[str, Any]:
     response: dict[str, Any] = {"host": host, "port": port, "ttl": float(ttl), "tokens": tokens}
-    if cert is not None:
-        response["cert"] = cert
+    if keys is not None:
+        response["keys"] = keys
     return response
 
 
@@ -147,14 +165,19 @@ def parse_ticket_response(header: Mapping[str, Any]) -> Ticket:
         or not all(isinstance(token, bytes) and len(token) == TOKEN_BYTES for token in tokens)
     ):
         raise ProtocolError(f"ticket must carry 1..{MAX_TOKENS_PER_TICKET} tokens of {TOKEN_BYTES} bytes")
-    cert = check_certificate(header["cert"]) if "cert" in header else None
-    return Ticket(host, port, float(ttl), tokens, cert)
+    keys = header.get("keys")
+    if keys is not None and (
+        not isinstance(keys, list)
+        or len(keys) != len(tokens)
+        or not all(isinstance(key, bytes) and len(key) == KEY_BYTES for key in keys)
+    ):
+        raise ProtocolError(f"ticket must carry one key of {KEY_BYTES} bytes per token")
+    return Ticket(host, port, float(ttl), tokens, keys)
 
 
-def parse_ticket_request(header: Mapping[str, Any]) -> tuple[int, bytes | None]:
-    """(token count, the caller's certificate or None) from a ticket request, or ProtocolError."""
+def parse_ticket_request(header: Mapping[str, Any]) -> int:
+    """The token count of a ticket request, or ProtocolError."""
     count = header.get("count")
     if type(count) is not int or not 1 <= count <= MAX_TOKENS_PER_TICKET:
         raise ProtocolError(f"ticket request needs a 'count' in 1..{MAX_TOKENS_PER_TICKET}, got {count!r:.30}")
-    cert = check_certificate(header["cert"]) if "cert" in header else None
-    return count, cert
+    return count

@@ -6,10 +6,10 @@ Each handler is registered with the libp2p daemon as its own protocol
 (asyncio's stream server starts them; the server adopts them), caps how many run at once per
 handler, and at shutdown removes its handlers and cancels and awaits the calls.
 
-Direct data path (:meth:`RPCServer.enable_direct`): the server also listens on a TCP socket,
-TLS 1.3 by default, and serves calls that arrive there with a one-time token obtained over libp2p
-and the TLS certificate sent with it (see :mod:`~hivemind_ext.p2p.direct_wire` and
-:mod:`~hivemind_ext.p2p.direct_tls`). With ``DirectConfig(plaintext=True)`` such calls are
+Direct data path (:meth:`RPCServer.enable_direct`): the server also listens on a TCP socket and
+serves calls that arrive there with a one-time token obtained over libp2p, encrypted by default
+with the session key issued with the token (see :mod:`~hivemind_ext.p2p.direct_wire` and
+:mod:`~hivemind_ext.p2p.direct_records`). With ``DirectConfig(plaintext=True)`` such calls are
 authenticated but **not encrypted**.
 """
 
@@ -22,17 +22,24 @@ from typing import Any, Literal
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from hivemind_ext.errors import ClosedError, ConfigurationError, HivemindExtError, ProtocolError
+from hivemind_ext.errors import (
+    AuthenticationError,
+    ClosedError,
+    ConfigurationError,
+    HivemindExtError,
+    ProtocolError,
+)
 from hivemind_ext.p2p.deadlines import now, remaining, wait_until
+from hivemind_ext.p2p.direct_records import SERVER
 from hivemind_ext.p2p.direct_server import DirectConfig, DirectListener, TicketBook
-from hivemind_ext.p2p.direct_tls import fingerprint
-from hivemind_ext.p2p.direct_transport import DirectStream
+from hivemind_ext.p2p.direct_transport import DirectStream, seal
 from hivemind_ext.p2p.direct_wire import (
     ACCEPTED,
     REJECTED,
     TICKET_HANDLER,
     Transport,
     parse_ticket_request,
+    read_handler_name,
     read_hello,
     ticket_response,
 )
@@ -60,8 +67,7 @@ DEFAULT_CONTROL_TIMEOUT = 10.0  # registering / removing a handler is a round tr
 # the caller may need many seconds to take the last responses out of the daemons' buffers, and closing
 # our end before it has them resets the stream (it would lose their tail).
 LINGER_SECONDS = 2.0
-# A ticket request is a small header (a count and a certificate of at most MAX_CERT_BYTES) and a
-# response is ~1.5 KiB: nothing bigger is accepted.
+# A ticket request is a small header (a count) and a response is ~1.5 KiB: nothing bigger is accepted.
 TICKET_HANDLER_CONFIG = HandlerConfig(
     limits=Limits(max_header_bytes=8192, max_payload_bytes=0), max_timeout=30.0, max_concurrent_calls=64
 )
@@ -192,12 +198,12 @@ class RPCServer:
             raise
 
     async def enable_direct(self, config: DirectConfig, *, timeout: float = DEFAULT_CONTROL_TIMEOUT) -> tuple[str, int]:
-        """Also serves every handler over direct TLS connections to callers holding a ticket;
+        """Also serves every handler over direct encrypted connections to callers holding a ticket;
         returns the advertised (host, port).
 
-        Tickets are handed out over libp2p to the PeerID that asks, each good for one connection
-        that presents the TLS certificate sent with the ticket request; this server's own
-        certificate travels back with the ticket, so callers pin it. ``DirectConfig(plaintext=True)``
+        Tickets are handed out over libp2p to the PeerID that asks, each token good for one
+        connection and issued with a fresh session key that only that PeerID receives: the
+        connection's records must authenticate under it (see direct_records). ``DirectConfig(plaintext=True)``
         serves plain TCP instead (authenticated, **not encrypted**: loopback or trusted networks
         only). Callers use it with ``RPCClient(..., prefer_direct=True)`` and fall back to libp2p
         whenever the direct path fails.
@@ -303,18 +309,11 @@ class RPCServer:
         if listener is None or tickets is None:
             raise ClosedError("the direct data path is not enabled")
         try:
-            count, cert = parse_ticket_request(request.header)
-            pinned = None  # the fingerprint the tokens are bound to (none for a plaintext server)
-            if listener.tls is not None:
-                if cert is None:
-                    raise ProtocolError("this server's direct path is TLS: the ticket request needs a certificate")
-                listener.tls.expect(cert)
-                pinned = fingerprint(cert)
+            count = parse_ticket_request(request.header)
         except ProtocolError as e:  # answered, not raised: a handler failure is logged as a warning
             return Message({"error": str(e)})
-        tokens = tickets.issue(context.peer_id, count, now(), pinned)
-        own_cert = listener.tls.identity.cert_der if listener.tls is not None else None
-        return Message(ticket_response(*listener.advertised, tickets.config.token_ttl, tokens, own_cert))
+        tokens, keys = tickets.issue(context.peer_id, count, now())
+        return Message(ticket_response(*listener.advertised, tickets.config.token_ttl, tokens, keys))
 
     async def _serve_direct(self, reader: DirectStream, writer: asyncio.StreamWriter) -> None:
         """One TCP connection: its hello (token + handler), then one call, as if it came over libp2p."""
@@ -332,39 +331,48 @@ class RPCServer:
         finally:
             self._pending_hellos -= 1
         if accepted is None:
+            writer.transport.abort()
+            return
+        route, peer_id, writer = accepted
+        if route is None or peer_id is None:  # refused, with an answer
             FramedStream(reader, writer, Limits()).close()  # flushes the REJECTED byte, aborts if stuck
             return
-        route, peer_id = accepted
         stream = FramedStream(reader, writer, route.config.limits, self.receive_budget.account(peer_id))
-        encrypted = writer.get_extra_info("ssl_object") is not None
-        await self._serve_adopted(route, peer_id, stream, "direct" if encrypted else "direct-plaintext")
+        sealed = not self._tickets.config.plaintext
+        await self._serve_adopted(route, peer_id, stream, "direct" if sealed else "direct-plaintext")
 
     async def _accept_hello(
         self, reader: DirectStream, writer: asyncio.StreamWriter, tickets: TicketBook
-    ) -> tuple[Route, PeerID] | None:
-        """The route and authenticated caller of a new connection, after acknowledging it; None
-        (after a REJECTED byte where possible) for anything but a valid token and a known handler."""
+    ) -> tuple[Route | None, PeerID | None, asyncio.StreamWriter] | None:
+        """The route, authenticated caller and (sealing) writer of a new connection, after
+        acknowledging it; (None, ...) after a REJECTED answer (no such handler; an invalid token on
+        a plaintext server); None, answering nothing, for anything else than a valid token whose
+        first record authenticates under its key (an encrypted server cannot answer unauthenticated)."""
+        deadline = now() + tickets.config.hello_timeout
         try:
-            token, name = await read_hello(reader, now() + tickets.config.hello_timeout)
+            holder = tickets.redeem(await read_hello(reader, deadline), now())
+            if holder is None and tickets.config.plaintext:
+                self.direct_refusals += 1
+                writer.write(REJECTED)
+                return None, None, writer
+            if holder is None:
+                raise AuthenticationError("invalid, used or expired token")
+            if holder.key is not None:  # from here on, records under the key only that caller holds
+                reader, writer = seal(reader, writer, holder.key, SERVER)
+            name = await read_handler_name(reader, deadline)
         except HivemindExtError as e:
-            logger.debug(f"direct connection to {self.namespace} dropped: {type(e).__name__}: {e}")
+            logger.debug(f"direct connection to {self.namespace} refused: {type(e).__name__}: {e}")
+            if isinstance(e, AuthenticationError):
+                self.direct_refusals += 1
             return None
-        holder = tickets.redeem(token, now())
         route = self._routes.get(name)
-        why = None
-        if holder is None:
-            why = "invalid, used or expired token"
-        elif not _presents(writer, holder.cert_fingerprint):
-            why = f"a token of {holder.peer_id} presented with another certificate"
-        elif route is None or name == TICKET_HANDLER:
-            why = f"no handler {name!r}"
-        if why is not None or holder is None or route is None:
-            logger.debug(f"direct connection to {self.namespace} refused: {why}")
+        if route is None or name == TICKET_HANDLER:
+            logger.debug(f"direct connection to {self.namespace} refused: no handler {name!r}")
             self.direct_refusals += 1
             writer.write(REJECTED)
-            return None
+            return None, holder.peer_id, writer
         writer.write(ACCEPTED)
-        return route, holder.peer_id
+        return route, holder.peer_id, writer
 
     async def _serve_adopted(self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Transport) -> None:
         route.active_calls += 1
@@ -399,13 +407,3 @@ class RPCServer:
             if route.calls_per_peer[peer_id] <= 0:
                 del route.calls_per_peer[peer_id]
             stream.close()
-
-
-def _presents(writer: asyncio.StreamWriter, expected: bytes | None) -> bool:
-    """Whether the connection's TLS peer holds the certificate a token was issued for (a plaintext
-    server's tokens carry no certificate; a TLS server's always do)."""
-    ssl_object = writer.get_extra_info("ssl_object")
-    if expected is None:
-        return ssl_object is None
-    presented = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
-    return presented is not None and fingerprint(presented) == expected

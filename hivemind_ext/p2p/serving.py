@@ -44,7 +44,8 @@ class RPCContext:
     peer_id: PeerID  # the caller, as authenticated by libp2p (not self-declared)
     handler: str  # the handler's name within its namespace
     deadline: float  # on the loop clock (see deadlines.now); the server stops the handler at this time
-    transport: Transport = "libp2p"  # "direct": TLS, "direct-plaintext": plain TCP (both authenticated through libp2p)
+    # "direct": encrypted, "direct-plaintext": plain TCP (both authenticated through libp2p)
+    transport: Transport = "libp2p"
 
     def time_left(self) -> float:
         return remaining(self.deadline)
