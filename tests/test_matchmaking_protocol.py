@@ -135,9 +135,10 @@ def test_commit_time_leaves_the_nearest_deadline_one_poll() -> None:
     assert sealed.commit_by == NOW + 0.5 - cfg.poll_interval
 
 
-def _sealed_by_leader(cfg: MatchmakingConfig, count: int = 4):
-    board = board_of(*(declaration(i) for i in range(1, count)))
-    result = step(Looking(fresh(0)), NOW, board, cfg)
+def _sealed_by_leader(cfg: MatchmakingConfig, count: int = 4, ready_at: float = 100.0):
+    """Peer 0 seals a group of ``count``: a full one before their scheduled time by default."""
+    board = board_of(*(declaration(i, ready_at=ready_at) for i in range(1, count)))
+    result = step(Looking(fresh(0, ready_at=ready_at)), NOW, board, cfg)
     return result.state, board_after(*result.writes, board=board)
 
 
@@ -184,16 +185,55 @@ def test_the_leader_commits_once_everyone_confirmed_and_members_read_the_same_gr
 
 def test_the_leader_commits_early_without_members_that_went_elsewhere() -> None:
     cfg = config()
-    leading, board = _sealed_by_leader(cfg)
+    leading, board = _sealed_by_leader(cfg, ready_at=NOW)  # sealed at the scheduled time: any size goes
     board = _confirm(board, leading.group, (1, 2))
     board = board_after(marker_write(member(3).key, "ef" * 16, 1_000.0), board=board)
     result = step(leading, NOW + 0.1, board, cfg)
     assert [m.peer_id for m in result.group.members] == [member(i).peer_id for i in range(3)]
 
 
-def test_the_leader_commits_whoever_confirmed_at_the_commit_time() -> None:
+def test_a_full_group_sealed_before_the_scheduled_time_commits_only_whole() -> None:
+    # a member went elsewhere (two leaders with different views): committing the other three would
+    # leave the peers this group was to be paired with short of a full group until their scheduled time
     cfg = config()
     leading, board = _sealed_by_leader(cfg)
+    assert leading.full_until == 100.0
+    board = _confirm(board, leading.group, (1, 2))
+    board = board_after(marker_write(member(3).key, "ef" * 16, 1_000.0), board=board)
+    result = step(leading, NOW + 0.1, board, cfg)
+    assert result.group is None and isinstance(result.state, Looking)
+    assert next(w for w in result.writes if w.subkey.startswith("c/")).value == {"members": []}
+    # once the scheduled time has come, the same leader commits whoever confirmed
+    late = step(replace(leading, full_until=NOW), NOW + 0.1, board, cfg)
+    assert late.group is not None and late.group.size == 3
+
+
+def test_a_leader_listed_by_a_lower_leader_gives_way_and_joins_that_group() -> None:
+    cfg = config()
+    leading, board = _sealed_by_leader(cfg, count=4)  # peer 0 leads peers 0-3
+    # peer 2 also sealed (it saw other peers): it is listed in peer 0's group, so it gives way
+    mine = _sealed([member(2), member(5), member(6), member(7)])
+    me = Leading(declaration(2), mine)
+    result = step(me, NOW + 0.1, board_after(sealed_write(mine, 1_000.0), board=board), cfg)
+    assert isinstance(result.state, Following) and result.state.group == leading.group
+    abandon, confirm = result.writes
+    assert abandon.subkey == f"c/{mine.group_id}" and abandon.value == {"members": []}
+    assert confirm.value == {"state": "joined", "group": leading.group.group_id}
+    # the lower leader waits for it meanwhile, though its marker still names its own group
+    board = _confirm(board_after(sealed_write(mine, 1_000.0), board=board), leading.group, (1, 3))
+    board = board_after(marker_write(member(2).key, mine.group_id, 1_000.0), board=board)
+    assert step(leading, NOW + 0.1, board, cfg).group is None
+    # a member of the abandoned group joins another open group that lists it instead of looking again
+    follower = Following(declaration(5), mine)
+    other = _sealed([member(4), member(5)])
+    board = board_after(commit_write(Commit(mine.group_id, ()), 1_000.0), sealed_write(other, 1_000.0), board=board)
+    moved = step(follower, NOW + 0.2, board, cfg)
+    assert isinstance(moved.state, Following) and moved.state.group == other
+
+
+def test_the_leader_commits_whoever_confirmed_at_the_commit_time() -> None:
+    cfg = config()
+    leading, board = _sealed_by_leader(cfg, ready_at=NOW)
     board = _confirm(board, leading.group, (2,))
     assert step(leading, leading.group.commit_by - 0.01, board, cfg).group is None
     result = step(leading, leading.group.commit_by, board, cfg)

@@ -129,13 +129,18 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
 from hivemind_ext.averaging.matchmaking.board import Write, board_key, parse_board
-from hivemind_ext.averaging.matchmaking.group import Board, Declaration, GroupInfo, MatchmakingConfig, Member
+from hivemind_ext.averaging.matchmaking.confirmation import Confirmations, with_commit, with_confirmations
+from hivemind_ext.averaging.matchmaking.group import Board, Commit, Declaration, GroupInfo, MatchmakingConfig, Member
 from hivemind_ext.averaging.matchmaking.listed import ListedPeers
 from hivemind_ext.averaging.matchmaking.protocol import (
     URGENT_POLL_FRACTION,
+    Following,
+    Leading,
     Looking,
     State,
+    Step,
     fall_back,
+    leader_failed,
     step,
     withdrawal,
 )
@@ -146,7 +151,11 @@ from hivemind_ext.errors import (
     DeadlineExceededError,
     MatchmakingError,
     PeerUnreachableError,
+    ProtocolError,
+    RemoteError,
 )
+from hivemind_ext.p2p.deadlines import now as loop_now
+from hivemind_ext.p2p.deadlines import wait_until
 from hivemind_ext.p2p.dht_calls import DHTCalls
 from hivemind_ext.p2p.signing import OwnerBook, default_signing_key, install_signing, owner_marker, signed_subkey
 
@@ -167,6 +176,8 @@ class Matchmaker:
         :func:`~hivemind_ext.p2p.signing.default_signing_key`).
     :param on_read: called with the bytes of records (signed subkeys and msgpack values) that each
         read of the board returned, e.g. ``RoundStats.record_board_read`` (what a poll costs).
+    :param confirmations: direct confirmations with leaders over libp2p (see :mod:`.confirmation`;
+        started, i.e. serving, for this peer to seal direct groups itself); None: the board only.
     """
 
     def __init__(
@@ -178,8 +189,10 @@ class Matchmaker:
         dht_calls: DHTCalls | None = None,
         signing_key: RSAPrivateKey | None = None,
         on_read: Callable[[int], None] | None = None,
+        confirmations: Confirmations | None = None,
     ) -> None:
         self.config = config
+        self.confirmations = confirmations
         self._on_read = on_read
         self.peer_id = peer_id if peer_id is not None else dht.peer_id
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
@@ -264,10 +277,14 @@ class Matchmaker:
         await self._install_signing(get_dht_time() + timeout)
 
     async def _install_signing(self, deadline: float) -> None:
-        """Once per board key: the DHT signs this peer's records and refuses unsigned entries there."""
+        """Once per board key: the DHT signs this peer's records and refuses unsigned entries there.
+
+        A call into this peer's own DHT process, bounded by the search's deadline only: capped at
+        ``request_timeout`` (1 s in tests), it failed whole searches at once on a loaded machine,
+        and the peers planned with the failed one then waited for it until their deadline."""
         if self._key in self._protected:
             return
-        timeout = max(0.0, min(self.config.request_timeout, deadline - get_dht_time()))
+        timeout = max(0.0, deadline - get_dht_time())
         try:
             await install_signing(self._dht_calls, self._signing_key, protected_keys=(self._key,), timeout=timeout)
         except (ClosedError, DeadlineExceededError, PeerUnreachableError) as e:
@@ -304,6 +321,7 @@ class Matchmaker:
     async def _look(self, declaration: Declaration) -> GroupInfo:
         state: State = Looking(declaration)
         board: Board | None = Board()  # nothing read yet: the first step only declares
+        direct = self.confirmations is not None and self.confirmations.serving and not self.config.client_mode
         try:
             while True:
                 now = get_dht_time()
@@ -313,20 +331,24 @@ class Matchmaker:
                     raise MatchmakingError("the DHT process is not running")
                 urgent = read_now = False
                 if board is not None:  # None: the read failed, skip this poll
-                    result = step(state, now, board, self.config)
+                    result = step(state, now, self._leader_view(state, board), self.config, direct=direct)
                     urgent = result.urgent
                     if type(result.state) is not type(state):
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
-                    state = result.state  # before the writes: if they are cancelled, withdraw from the new state
+                    previous, state = state, result.state  # before the writes: if they are cancelled, withdraw from it
+                    self._track_direct_group(previous, result)
                     if result.fall_back:  # my shard is too empty: on to the coarser shard's board
                         state, board = await self._fall_back(state.declaration), Board()
                         continue
                     if result.group is not None:
-                        if result.writes and not await self.commit(result.writes, result.group, declaration.deadline):
-                            # members would never read the commit; withdrawing abandons it
-                            raise MatchmakingError("the group's commit could not be stored in the DHT")
+                        await self._finish(state, result.writes, result.group, declaration.deadline)
                         await asyncio.sleep(max(0.0, min(result.start_at, declaration.deadline) - get_dht_time()))
                         return result.group
+                    if _joined_direct_group(previous, state):
+                        for write in result.writes:  # for the other peers' plans: the leader counts my call
+                            self._store_nowait(write, self._key)
+                        state, board = await self._ask_leader(state, declaration.deadline)
+                        continue
                     # Having just (re)declared, read at once in the same call: peers that started at the
                     # same moment are on the board by now. After any other write, nobody has answered yet.
                     read_now = bool(result.writes) and isinstance(state, Looking)
@@ -334,11 +356,82 @@ class Matchmaker:
                         _, board = await self._exchange(result.writes, read_now, declaration.deadline)
                 if not read_now:
                     pause = self.config.poll_interval * (URGENT_POLL_FRACTION if urgent else 1.0)
+                    if board is not None and await self._wait_for_confirmation(state, declaration.deadline):
+                        continue  # a member called: step again on the same read (which clears the event)
                     await asyncio.sleep(max(0.0, min(pause, declaration.deadline - get_dht_time())))
                     _, board = await self._exchange((), True, declaration.deadline)
         except BaseException:
             self._withdraw(state)
             raise
+
+    def _leader_view(self, state: State, board: Board) -> Board:
+        """What the protocol steps on: the board, and for the leader of a direct group, the calls it
+        received as its members' confirmations (see :func:`.confirmation.with_confirmations`)."""
+        if self.confirmations is None or not isinstance(state, Leading) or not state.group.direct:
+            return board
+        self.confirmations.changed.clear()  # calls from now on wake the next wait
+        return with_confirmations(board, state.group, self.confirmations.confirmed(state.group.group_id))
+
+    def _track_direct_group(self, previous: State, result: Step) -> None:
+        """Opens this peer's desk for a direct group it just sealed, and answers its callers once the
+        group is committed or abandoned."""
+        if self.confirmations is None:
+            return
+        state = result.state
+        if isinstance(previous, Leading) and previous.group.direct:
+            if result.group is not None or not isinstance(state, Leading) or state.group != previous.group:
+                members = result.group.members if result.group is not None else ()
+                self.confirmations.settle(Commit(previous.group.group_id, tuple(m.key for m in members)))
+        elif isinstance(state, Leading) and state.group.direct:
+            self.confirmations.open(state.group)
+
+    async def _wait_for_confirmation(self, state: State, deadline: float) -> bool:
+        """A direct group's leader waits up to a poll interval for a member's call (True if one came);
+        everyone else returns False at once."""
+        if self.confirmations is None or not isinstance(state, Leading) or not state.group.direct:
+            return False
+        pause = max(0.0, min(self.config.poll_interval, deadline - get_dht_time()))
+        try:
+            await wait_until(self.confirmations.changed.wait(), loop_now() + pause, "a confirmation")
+        except DeadlineExceededError:
+            return False
+        return True
+
+    async def _ask_leader(self, state: Following, deadline: float) -> tuple[State, Board | None]:
+        """Confirms a direct group by calling its leader; returns the state to go on from and the
+        board to step on next (None: read the board first).
+
+        The leader's commit comes back on the board the protocol steps on, so it decides as if it
+        had read the commit there (a member left out reads the board first: another seal may list
+        it). A leader that refuses or answers with anything but a commit of the group is left
+        (:func:`.protocol.leader_failed`); one that does not answer in time, or whose answer got
+        lost, is waited for on the board, where its commit lands too."""
+        group, me = state.group, state.declaration.member.key
+        timeout = min(group.commit_by + self.config.request_timeout, deadline) - get_dht_time()
+        try:
+            commit = await self.confirmations.confirm(group, me, timeout=max(0.0, timeout))
+        except (ProtocolError, RemoteError) as e:
+            logger.info("%s: leaving the group of %s: %s", self.peer_id, group.leader.peer_id, e)
+            failed = leader_failed(state, get_dht_time(), self.config)
+            _, board = await self._exchange(failed.writes, True, deadline)
+            return failed.state, board
+        except (DeadlineExceededError, PeerUnreachableError) as e:
+            logger.debug("%s: no answer from the leader %s (%s): reading the board", self.peer_id, group.leader, e)
+            return state, None
+        board: Board | None = Board()
+        if me not in commit.members:
+            _, board = await self._exchange((), True, deadline)
+        return state, with_commit(board or Board(), commit)
+
+    async def _finish(self, state: State, writes: tuple[Write, ...], group: GroupInfo, deadline: float) -> None:
+        """A leader's last step: its members have the commit of a direct group already (stored
+        without waiting, for the others' plans); a board group's commit must land first."""
+        if isinstance(state, Leading) and state.group.direct:
+            for write in writes:
+                self._store_nowait(write, self._key)
+        elif writes and not await self.commit(writes, group, deadline):
+            # members would never read the commit; withdrawing abandons it
+            raise MatchmakingError("the group's commit could not be stored in the DHT")
 
     async def _fall_back(self, declaration: Declaration) -> Looking:
         """Withdraws ``declaration`` from its shard's board and moves this search to the coarser shard
@@ -412,6 +505,8 @@ class Matchmaker:
 
     def _withdraw(self, state: State) -> None:
         """Best effort, without waiting: the stores run in the DHT process even after we return."""
+        if self.confirmations is not None and isinstance(state, Leading) and state.group.direct:
+            self.confirmations.settle(Commit(state.group.group_id, ()))  # its callers look again at once
         if not self._dht_calls.is_alive():
             return
         for write in withdrawal(state, get_dht_time(), self.config):
@@ -424,6 +519,12 @@ class Matchmaker:
             self._dht_calls.store_nowait(key, write.value, write.expiration_time, subkey=subkey)
         except Exception as e:  # a DHT that is already shut down cannot take the store
             logger.debug("could not store matchmaking record %s: %r", write.subkey, e)
+
+
+def _joined_direct_group(previous: State, state: State) -> bool:
+    """Whether this step joined a direct group (see :mod:`.confirmation`): its leader is called next."""
+    joined = isinstance(state, Following) and state.group.direct
+    return joined and not (isinstance(previous, Following) and previous.group == state.group)
 
 
 def _record_bytes(subkey: Any, value: Any) -> int:
