@@ -154,10 +154,9 @@ from hivemind_ext.errors import (
     ProtocolError,
     RemoteError,
 )
-from hivemind_ext.p2p.deadlines import now as loop_now
-from hivemind_ext.p2p.deadlines import wait_until
 from hivemind_ext.p2p.dht_calls import DHTCalls
 from hivemind_ext.p2p.signing import OwnerBook, default_signing_key, install_signing, owner_marker, signed_subkey
+from hivemind_ext.p2p.tasks import TaskOwner
 
 logger = logging.getLogger(__name__)
 COMMIT_ATTEMPTS = 3  # the commit is the one write that must land: members only ever return a committed group
@@ -356,8 +355,9 @@ class Matchmaker:
                         _, board = await self._exchange(result.writes, read_now, declaration.deadline)
                 if not read_now:
                     pause = self.config.poll_interval * (URGENT_POLL_FRACTION if urgent else 1.0)
-                    if board is not None and await self._wait_for_confirmation(state, declaration.deadline):
-                        continue  # a member called: step again on the same read (which clears the event)
+                    if _awaits_calls(self.confirmations, state) and board is not None:
+                        board = await self._read_unless_called(board, declaration.deadline)
+                        continue
                     await asyncio.sleep(max(0.0, min(pause, declaration.deadline - get_dht_time())))
                     _, board = await self._exchange((), True, declaration.deadline)
         except BaseException:
@@ -367,7 +367,7 @@ class Matchmaker:
     def _leader_view(self, state: State, board: Board) -> Board:
         """What the protocol steps on: the board, and for the leader of a direct group, the calls it
         received as its members' confirmations (see :func:`.confirmation.with_confirmations`)."""
-        if self.confirmations is None or not isinstance(state, Leading) or not state.group.direct:
+        if self.confirmations is None or not _awaits_calls(self.confirmations, state):
             return board
         self.confirmations.changed.clear()  # calls from now on wake the next wait
         return with_confirmations(board, state.group, self.confirmations.confirmed(state.group.group_id))
@@ -385,17 +385,26 @@ class Matchmaker:
         elif isinstance(state, Leading) and state.group.direct:
             self.confirmations.open(state.group)
 
-    async def _wait_for_confirmation(self, state: State, deadline: float) -> bool:
-        """A direct group's leader waits up to a poll interval for a member's call (True if one came);
-        everyone else returns False at once."""
-        if self.confirmations is None or not isinstance(state, Leading) or not state.group.direct:
-            return False
+    async def _read_unless_called(self, board: Board, deadline: float) -> Board:
+        """A direct group's leader reads the board once a poll interval (members that went elsewhere,
+        a lower leader's seal listing it), and steps at once when a member calls, even mid-read
+        (a read under load takes hundreds of milliseconds): the read is then dropped, and the last
+        board is stepped on again with the new confirmation (see :meth:`_leader_view`)."""
+        confirmations = self.confirmations
+        if confirmations is None:
+            return board
         pause = max(0.0, min(self.config.poll_interval, deadline - get_dht_time()))
-        try:
-            await wait_until(self.confirmations.changed.wait(), loop_now() + pause, "a confirmation")
-        except DeadlineExceededError:
-            return False
-        return True
+        async with TaskOwner("a direct leader's wait") as owner:
+            called = owner.spawn(confirmations.changed.wait(), report_errors=False)
+            read = owner.spawn(self._pause_then_read(pause, deadline), report_errors=False)
+            await asyncio.wait((called, read), return_when=asyncio.FIRST_COMPLETED)
+            if called.done() or not read.done():
+                return board
+        return read.result() or board
+
+    async def _pause_then_read(self, pause: float, deadline: float) -> Board | None:
+        await asyncio.sleep(pause)
+        return (await self._exchange((), True, deadline))[1]
 
     async def _ask_leader(self, state: Following, deadline: float) -> tuple[State, Board | None]:
         """Confirms a direct group by calling its leader; returns the state to go on from and the
@@ -519,6 +528,11 @@ class Matchmaker:
             self._dht_calls.store_nowait(key, write.value, write.expiration_time, subkey=subkey)
         except Exception as e:  # a DHT that is already shut down cannot take the store
             logger.debug("could not store matchmaking record %s: %r", write.subkey, e)
+
+
+def _awaits_calls(confirmations: Confirmations | None, state: State) -> bool:
+    """Whether this peer leads a direct group: its members' calls, not only the board, move it on."""
+    return confirmations is not None and isinstance(state, Leading) and state.group.direct
 
 
 def _joined_direct_group(previous: State, state: State) -> bool:
