@@ -226,7 +226,7 @@ def test_allreduce_once_with_auxiliary_peers(four_peers: list[hivemind.DHT], mod
             [tensor.clone() for tensor in tensors],
             dht,
             target_group_size=4,
-            min_matchmaking_time=15,
+            min_matchmaking_time=6,  # hivemind: 15; only auxiliary peers wait all of it (the others fill in < 1 s)
             prefix=prefix,
             client_mode=mode == "CLIENT",
             auxiliary=mode == "AUX",
