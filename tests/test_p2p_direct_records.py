@@ -213,7 +213,9 @@ class Sealed:
             accepted.set_result(reader)
 
         self.server = await start_direct_server(on_connection, "127.0.0.1", 0)
-        _, self.writer = await open_direct_connection("127.0.0.1", self.server.sockets[0].getsockname()[1])
+        self.client_reader, self.writer = await open_direct_connection(
+            "127.0.0.1", self.server.sockets[0].getsockname()[1]
+        )
         self.reader = await asyncio.wait_for(accepted, 5)
         return self
 
@@ -236,6 +238,33 @@ async def test_records_carry_bytes_exactly_across_record_and_read_boundaries() -
             await asyncio.wait_for(connection.reader.readexactly_into(view[3 : 3 + MAX_RECORD_BYTES]), 5)
             await asyncio.wait_for(connection.reader.readexactly_into(view[3 + MAX_RECORD_BYTES :]), 5)
         assert received == data
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_reused_send_buffers_never_alter_records_still_queued(loop: str) -> None:
+    # The sealing writer reuses its record buffers once the transport has sent them; records written
+    # faster than the reader takes them stay queued (uvloop queues the buffers themselves) and must
+    # leave unchanged.
+    import uvloop
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(_reused_send_buffers())
+
+
+async def _reused_send_buffers() -> None:
+    chunks = [os.urandom(MAX_RECORD_BYTES - i) for i in range(24)]
+    async with Sealed() as connection:
+        _, writer = seal(connection.client_reader, connection.writer, connection.key, CALLER)
+
+        for chunk in chunks:  # more than the kernel's socket buffers hold: most records wait in the transport
+            writer.write(chunk)
+        assert writer.transport.get_write_buffer_size() > 4 * MAX_RECORD_BYTES
+        received = bytearray(sum(map(len, chunks)))
+        await asyncio.wait_for(connection.reader.readexactly_into(memoryview(received)), 20)
+        await asyncio.wait_for(writer.drain(), 5)
+        for chunk in chunks[:3]:  # reusing the now idle buffers
+            writer.write(chunk)
+        again = await asyncio.wait_for(connection.reader.readexactly(3 * len(chunks[0]) - 3), 20)
+        assert received == b"".join(chunks) and again == b"".join(chunks[:3])
 
 
 def _length(value: int) -> bytes:
