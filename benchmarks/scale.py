@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Result, describe_machine, emit, higher_is_better, lower_is_better
 
 STEP_TIMEOUT = 120.0  # one round of one peer, matchmaking included
+STAGE_POLL = 0.02  # how often a step's thread checks whether its group is found (adds at most this)
 START_TIMEOUT = 600.0  # every host has started its peers (64 DHT nodes bootstrap one after another)
 
 
@@ -176,7 +177,7 @@ def timed_step(averager: Any, case: RealCase) -> tuple[float, float, int]:
     while control.stage.name != "AWAITING_TRIGGER" and not control.done():
         if time.perf_counter() - start > STEP_TIMEOUT + 30:
             raise TimeoutError("no group and no error within the step's timeout")
-        time.sleep(0.01)
+        time.sleep(STAGE_POLL)
     found = time.perf_counter()
     control.allow_allreduce()
     gathered = control.result(timeout=STEP_TIMEOUT)
