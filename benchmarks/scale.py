@@ -1,14 +1,26 @@
 """Large swarms: rotating groups and sharded matchmaking, with real peers and in simulation.
 
-1. Real peers on 127.0.0.1 (default 8 only; ``--peers 8 16 32``), each a process with its own
-   DHT and libp2p daemon and a small tensor (default 1024 floats, peer i holds the value i),
-   averaging in groups of ``--group`` (default 4) with rotating groups, the swarm's size passed as
-   ``expected_group_size`` (so peers read only their shard's board). Per round: matchmaking time
-   (step time minus the all-reduce), all-reduce time, matchmaking reads of the DHT and the bytes of
-   records they returned per peer, memory per peer (the peer's process and its children: DHT
-   process and daemons), and how far the peers' values are from the global mean after the rounds.
-   hivemind's DecentralizedAverager runs the same case (its own matchmaking, no group bits) for the
-   step time; it has no counter of its DHT reads.
+1. Real peers on 127.0.0.1, each with its own DHT node and its own libp2p daemon, several peers
+   per Python process (``--per-host``, default 8; see ``hosted_dht.py``: our peers' DHT nodes share
+   the process's event loop instead of each being a process of its own; hivemind's peers keep a
+   ``hivemind.DHT`` process each, since its averager is a forked process that reaches its DHT over
+   a pipe). Peer ``i`` averages ``--size`` floats (default 1024) holding the value ``i``.
+
+   a. Rotating groups of ``--group`` (default 8) at each ``--peers`` (default 8 16): ours with the
+      swarm's size as ``expected_group_size`` (peers read only their shard's board); hivemind's
+      ``DecentralizedAverager`` with the same ``target_group_size`` and Moshpit group bits laid out
+      as the same grid (``initial_group_bits`` of ``i // group``). One warm-up round, after which every
+      peer sets its value back to ``i``, then ``--rounds`` measured rounds. Per peer and round:
+      matchmaking time (until the group is found: each step waits for a trigger, given as soon as
+      its thread sees the group) and all-reduce time (from the trigger to the result), the
+      requests the peer made of its DHT (get / store / run_coroutine) and the bytes of records they
+      returned (msgpack size, the same measure for both); per peer: memory (PSS of the host process
+      and its descendants: DHT processes, daemons, hivemind's averager processes, split over its
+      peers) and CPU seconds per round (Python processes and daemons apart). After each measured
+      round: the largest distance of any peer's value from the global mean, relative to the mean.
+   b. One group of everyone (``target_group_size`` None) at each ``--big-peers`` (default 8) with
+      ``--big-size`` floats per peer (default 65536: equal bytes per peer whatever N): the
+      butterfly's round time and the group size formed.
 2. A simulation of the pure matchmaking protocol (hivemind_ext.averaging.matchmaking.simulation):
    1,000 peers with hashed coordinates, DHT lag up to 50 ms, 2% of peers dying after they declare,
    declarations spread over 0.5 s before a common scheduled time: polls until every group is final,
@@ -17,12 +29,15 @@
    3 rounds, next to hivemind's rule (random group bits that move as in hivemind's Moshpit
    averaging, reimplemented in group_key.py: hivemind's own matchmaking cannot be simulated).
 
-    python benchmarks/scale.py                       # 8 real peers in groups of 4, < 10 min
-    python benchmarks/scale.py --peers 8 16 --no-hivemind
+    python benchmarks/scale.py                                   # the default: < 10 min
+    python benchmarks/scale.py --no-sim --peers 8 16 32 64 --big-peers      # rotating groups up to 64
+    python benchmarks/scale.py --no-sim --peers --big-peers 8 32 64         # one group of everyone
 
-The default runs 8 real peers only: on the shared 2-core machine 16 peers overloaded the DHTs
-(stores timed out) and 2 of 5 16-peer runs did not finish within 10 minutes; 64 peers (about
-130 MB PSS each with their DHT process and daemon) do not fit it at all.
+All peers share this machine's cores: a swarm's CPU per round grows with N here, where each peer
+of a real swarm brings its own, so wall times at 32 and 64 peers on 2 shared cores measure the
+machine as much as the protocol; the CPU seconds per peer and round are the figure that should
+not grow with N. 64 peers (ours and hivemind's one after the other) take about 15-20 minutes on a
+loaded 2-core machine, which is why the default stops at 16.
 """
 
 from __future__ import annotations
