@@ -57,13 +57,6 @@ from hivemind_ext.errors import ConfigurationError
 PeerKey = tuple[str, str]
 """(peer id in base58, attempt token): one peer's one try at finding a group in one round."""
 
-REFRESH_FRACTION = 2 / 3  # a looking peer refreshes its declaration once less than this share of its lifetime is left
-STALE_FRACTION = 1 / 6
-"""A declaration with less than this share of its lifetime left missed its refresh by half of
-``request_timeout``: its peer is dead (or cut off), and it is not planned with any more
-(:func:`is_stale`). Planning with it until it expired cost every group it was sealed into a whole
-``request_timeout`` of waiting (1,000 simulated peers, 2% dying: 11.9 polls to group everyone)."""
-
 POLLS_BEFORE_DEADLINE = 5
 MAX_FINGERPRINT_CHARS = 128  # a digest; bounds what a declaration may carry
 """A peer is not put into a new group when its deadline is fewer than this many polls away: the
@@ -315,20 +308,11 @@ def looking_peers(now: float, board: Board, config: MatchmakingConfig) -> list[D
             and declaration.expiration > now
             and declaration.deadline >= now + POLLS_BEFORE_DEADLINE * config.poll_interval
             and declaration.member.key not in claimed
-            and not is_stale(declaration, now, config)
         )
         previous = latest.get(declaration.member.peer_id)
         if usable and (previous is None or _freshness(declaration) > _freshness(previous)):
             latest[declaration.member.peer_id] = declaration
     return sorted(latest.values(), key=_seniority)
-
-
-def is_stale(declaration: Declaration, now: float, config: MatchmakingConfig) -> bool:
-    """Whether a declaration was not refreshed in time (see :data:`STALE_FRACTION`); one that lives
-    until its peer's deadline is never refreshed, and is not stale."""
-    if declaration.expiration >= declaration.deadline:
-        return False
-    return declaration.expiration - now < STALE_FRACTION * config.request_timeout
 
 
 def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingConfig) -> list[tuple[Declaration, ...]]:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 
 from hivemind_ext.averaging.matchmaking.board import Write, commit_write, declaration_write, marker_write, sealed_write
 from hivemind_ext.averaging.matchmaking.group import (
-    REFRESH_FRACTION,
     Board,
     Commit,
     Declaration,
@@ -29,7 +28,6 @@ from hivemind_ext.averaging.matchmaking.group import (
     all_auxiliary,
     group_id_for,
     is_open,
-    is_stale,
     is_viable,
     looking_peers,
 )
@@ -37,6 +35,7 @@ from hivemind_ext.averaging.matchmaking.rotation import coarser
 from hivemind_ext.averaging.matchmaking.timing import plan_ahead
 
 RECORD_LIFETIME = 3  # in request timeouts: outlives the longest wait on a sealed group (commit_by + 1)
+REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left
 IGNORE_TIMEOUTS = 3  # request timeouts for which a peer that failed this one is left out of its plans
 URGENT_POLL_FRACTION = 0.2  # share of poll_interval to wait between reads while a group is being formed
 
@@ -223,7 +222,7 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         return replace(joined, writes=(abandoned, *joined.writes))
     others = [m for m in group.members if m != me]
     confirmed = {me.key} | {m.key for m in others if board.markers.get(m.key) == group.group_id}
-    waiting = any(_coming(m, group, me, now, board, config) for m in others)
+    waiting = any(_coming(m, group, me, now, board) for m in others)
     if waiting and now < group.commit_by:
         return Step(state, urgent=True)
     members = tuple(m for m in group.members if m.key in confirmed)
@@ -280,17 +279,13 @@ def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingCo
     return Step(Following(joined, group, ignored), (confirm,), urgent=True)
 
 
-def _coming(
-    member: Member, group: SealedGroup, me: Member, now: float, board: Board, config: MatchmakingConfig
-) -> bool:
+def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: Board) -> bool:
     """Whether the leader ``me`` of ``group`` should still wait for ``member``: it has not marked its
-    attempt yet (it has not seen the group, or its marker is not visible yet) and its declaration is
-    not stale (a dead peer's), or it joined a group whose leader is a junior member of this one,
-    which gives way to this group (see :func:`_step_leading`), so that the member looks for another
-    group that lists it: this one."""
+    attempt yet (it has not seen the group, or its marker is not visible yet), or it joined a group
+    whose leader is a junior member of this one, which gives way to this group (see
+    :func:`_step_leading`), so that the member looks for another group that lists it: this one."""
     if member.key not in board.markers:
-        declaration = board.declarations.get(member.key)
-        return declaration is None or not is_stale(declaration, now, config)
+        return True
     joined = board.markers[member.key]
     other = board.sealed.get(joined) if joined is not None and joined != group.group_id else None
     if other is None or not is_open(other, now, board):
