@@ -1,5 +1,7 @@
 """Matchmaking: peers that average under one prefix find each other through hivemind's DHT and
-agree on groups, with no RPC between them (the DHT is the only channel).
+agree on groups; the members of a group sealed by a leader that serves direct confirmations
+(every averager but a client-mode one) confirm it by one libp2p call to that leader instead of
+through the DHT (see :mod:`.confirmation`). Without ``confirmations`` the DHT is the only channel.
 
 Usage (inside the averager's event loop)::
 
@@ -38,12 +40,19 @@ a store 35-70 ms instead of 85-90, a read 30 ms instead of 40-47.
 3. **Confirm.** A looking peer that sees an open sealed group listing its current attempt joins it
    (the lowest group id if several list it) by overwriting its declaration with a ``joined``
    marker. This also withdraws the declaration: nobody plans with it any more. Joining a sealed
-   group takes priority over sealing one's own, which is what makes diverging plans converge.
+   group takes priority over sealing one's own, which is what makes diverging plans converge; a
+   leader that sees a lower leader's open seal listing it gives way (abandons its own group and
+   joins that one), and a member left out of a commit first joins another open seal listing it.
+   In a *direct* group the member also calls the leader (:mod:`.confirmation`): the call is its
+   confirmation, and the answer is the commit, so steps 4-5 take one round trip instead of three
+   DHT calls; the marker is still stored (without waiting), for the other peers' plans.
 4. **Commit.** The leader stores the commit (the members that confirmed, in the sealed order) as
    soon as every other member confirmed or visibly went elsewhere, and at the latest at the commit
    time (``request_timeout`` after sealing, earlier if a member's deadline is nearer). A commit
    with fewer than ``min_group_size`` members (or no member able to run the all-reduce) abandons
-   the group.
+   the group, and so does a group sealed full before anyone's scheduled time that is no longer
+   whole (its members and the peers it left over then form full groups instead of waiting for
+   their scheduled time).
 5. **Return.** The leader returns the committed group; a member returns when it reads a commit
    that lists it. A member left out of a commit, and the members of an abandoned group, look again
    under a new attempt token, keeping their seniority.
