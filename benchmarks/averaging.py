@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, lower_is_better
+from common import Result, butterfly_bytes, emit, gather_from_peers, lower_is_better, start
 
 SIZES = {"1M": 2**20, "4M": 2**22, "16M": 2**24, "64M": 2**26}
 # our codec, hivemind's codec (the same where hivemind has one, else its closest 8-bit codec)
@@ -126,20 +126,15 @@ def run_swarm(
         context.Process(target=peer_main, args=(i, impl, codec, transport, args, initial_peers, barrier, results))
         for i in range(args.peers)
     ]
-    for process in processes:
-        process.start()
-    records = []
     try:
-        for _ in range(args.peers * (args.rounds + 1)):
-            record = results.get(timeout=STEP_TIMEOUT + 120)
-            if record[1] == -1:
-                raise RuntimeError(f"{impl} peer {record[0]} failed:\n{record[5]}")
-            records.append(record)
+        records = gather_from_peers(
+            processes,
+            results,
+            args.peers * (args.rounds + 1),
+            STEP_TIMEOUT + 120,
+            lambda record: f"{impl} peer {record[0]} failed:\n{record[5]}" if record[1] == -1 else None,
+        )
     finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
         bootstrap.shutdown()
     times, sent = [], []
     for round_index in range(1, args.rounds + 1):
@@ -164,11 +159,9 @@ def main() -> None:
         help="how our peers move data: default settings (encrypted direct path), the opt-in plaintext direct "
         "path, libp2p streams only (hivemind unchanged)",
     )
-    args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
-    print(f"machine: {describe_machine()}")
+    args = start(parser)
     numel = SIZES[args.size]
-    minimum = 2 * (args.peers - 1) / args.peers * numel * 4
+    minimum = butterfly_bytes(args.peers, numel)
     results: list[Result] = []
     for codec in args.codecs:
         hm_median, note = None, ""

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, higher_is_better, lower_is_better
+from common import Result, describe_machine, emit, gather_from_peers, higher_is_better, lower_is_better
 
 STEP_TIMEOUT = 90.0
 
@@ -157,20 +157,15 @@ def run_real(impl: str, peers: int, args: argparse.Namespace) -> list[dict]:
     processes = [
         context.Process(target=peer_main, args=(i, impl, peers, args, initial, barrier, results)) for i in range(peers)
     ]
-    for process in processes:
-        process.start()
-    rows = []
     try:
-        for _ in range(peers * (args.rounds + 1)):
-            row = results.get(timeout=STEP_TIMEOUT + 300)
-            if row["round"] == -1:
-                raise RuntimeError(f"{impl} peer {row['index']} failed:\n{row['error']}")
-            rows.append(row)
+        rows = gather_from_peers(
+            processes,
+            results,
+            peers * (args.rounds + 1),
+            STEP_TIMEOUT + 300,
+            lambda row: f"{impl} peer {row['index']} failed:\n{row['error']}" if row["round"] == -1 else None,
+        )
     finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
         bootstrap.shutdown()
     return [row for row in rows if row["round"] > 0]
 
