@@ -76,7 +76,9 @@ class DiLoCo(Algorithm):
     :param codec: the codec of the pseudo-gradient all-reduce. Default: ``Float16Compression()``:
       pseudo-gradients are differences of parameters, small and tolerant of rounding (the paper
       reports no loss with far coarser quantization), and float16 halves the traffic. Pass
-      ``None`` (or ``NoCompression()``) for exact float32 averaging.
+      ``None`` (or ``NoCompression()``) for exact float32 averaging. With ``overlap``, an
+      :class:`~hivemind_ext.compression.ErrorFeedback` codec (or a codec wrapping one) gets its
+      residuals put back after a round that is not applied, whose pseudo-gradient the next round resends
     :param overlap: run each outer round in the background while the inner steps continue, and apply
       its outer update when it arrives (at most one round late: a round's update is applied before
       that fragment's next round starts, or dropped). Default False: every peer waits for the round

@@ -32,23 +32,29 @@ outer update is at most H inner steps old; :func:`update_is_fresh` is the rule, 
 breaks it is dropped (not applied; the anchor stays). A round that fails (deadline, a dead member, a
 part not averaged, a group at another round index) moves nothing, as in plain DiLoCo: the next
 round's pseudo-gradient covers the whole time since the anchor, or, if the group was at a later
-round, the peer downloads the state.
+round, the peer downloads the state. With an :class:`~hivemind_ext.compression.ErrorFeedback` codec,
+the fragment's residuals are put back as they were before such a round (at the start of the next round
+of that fragment, when no compression of the cancelled one can still be running), so the resent
+pseudo-gradient is not counted twice; another fragment's residuals are left alone.
 
 **State and late joiners.** The anchors, outer momenta and a phase ``[inner step, seconds per inner
 step, round index of each fragment]`` are extra tensors of the training state: a late joiner
 downloads them with the parameters, follows the swarm's schedule from the donor's inner step, and
-sits out (weight 0) the rest of each fragment's current round. The swarm went on while it
-downloaded: it skips as many inner steps as the donor's pace (also in the phase) says the swarm made
-meanwhile (:func:`steps_missed`), and starts at once the rounds that fell due in them. A donor may
-have a round in flight, whose outer update the joiner cannot compute: the joiner then finds itself
-one round behind at its next round of that fragment, in which it takes part with weight 0, so it
-receives the others' average; it keeps that average (and those of the rounds it takes part in until
-then: its own rounds are settled before a download) and downloads the state again; if the donor is
-at one of those rounds, it takes the same outer steps as the donor (:func:`after_download`). (A peer
-whose downloads take far longer than H inner steps keeps missing its groups.) Before a download the
-peer settles its own rounds in flight; a fragment in which it is further than the donor (the donor
-had not yet applied a round that this peer applied) keeps this peer's anchor, momentum, round index
-and parameters.
+sits out (weight 0) each fragment's rounds until one of them applies (a round that fails does not
+say that the joiner is in step, and a contribution at another round index would fail the others'
+round). A phase that no honest peer holds (:func:`check_phase`: NaN, a round index beyond the rounds
+due by the served inner step, ...) is refused before it is adopted: the donor is banned and another
+one asked. The swarm went on while it downloaded: the joiner skips as many inner steps as the
+donor's pace (also in the phase) says the swarm made meanwhile (:func:`steps_missed`), and starts at
+once the rounds that fell due in them. A donor may have a round in flight, whose outer update the
+joiner cannot compute: the joiner then finds itself one round behind at its next round of that
+fragment, in which it takes part with weight 0, so it receives the others' average; it keeps that
+average (and those of the rounds it takes part in until then: its own rounds are settled before a
+download) and downloads the state again; if the donor is at one of those rounds, it takes the same
+outer steps as the donor (:func:`after_download`). (A peer whose downloads take far longer than H
+inner steps keeps missing its groups.) Before a download the peer settles its own rounds in flight;
+a fragment in which it is further than the donor (the donor had not yet applied a round that this
+peer applied) keeps this peer's anchor, momentum, round index and parameters.
 """
 
 from __future__ import annotations
@@ -261,6 +267,7 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         self.fragments = [_Fragment(f, tensors, self.anchor) for f, tensors in enumerate(groups)]
         self._saved: list[tuple[int, list[torch.Tensor]]] | None = None  # see prepare_for_download
         self._download_started: float | None = None
+        self._downloading = False  # prepare_for_download is settling the rounds in flight
         self._closed = False
         self.dropped_rounds = 0
         self.waited_seconds = 0.0
@@ -414,7 +421,8 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
                 fragment.held[round(group_round)] = [pg.clone() for pg in fragment.pseudo_grads]
                 while len(fragment.held) > MAX_HELD:  # the oldest go first
                     fragment.held.pop(min(fragment.held))
-            self.context.request_resync()
+            if not self._downloading:  # (a download is what it needs: no second one right after it)
+                self.context.request_resync()
             self._not_applied(fragment, pending, "behind", group, "was behind the group: downloading its state")
             return
         if offset > 0:
@@ -460,8 +468,11 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         if kind != "stale":
             self.failed_rounds += 1
         fragment.unsent_residuals = pending.residuals
-        # behind: its pseudo-gradient starts from an older anchor than the others'; weight 0 until the download
-        fragment.contributing = kind != "behind"
+        # behind: its pseudo-gradient starts from an older anchor than the others'; weight 0 until the download.
+        # A peer that took part with weight 0 (after a download) stays at 0 until a round applies: a failed
+        # round does not tell it that it is in step, and a contribution at another round index than the
+        # group's would fail the others' round
+        fragment.contributing = fragment.contributing and kind != "behind"
         age = self.step_index - pending.started_step
         self.history.append((fragment.index, pending.round_index, kind, pending.weight, group, age))
         logger.log(
@@ -483,7 +494,11 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         """Settles the rounds in flight (they write to the state), then remembers each fragment's
         round index, anchors, momenta and parameters: where this peer is further than the donor, it
         keeps its own (see :meth:`on_state_loaded`)."""
-        self.settle()
+        self._downloading = True
+        try:
+            self.settle()
+        finally:
+            self._downloading = False
         self._download_started = time.monotonic()
         with self._lock:
             self._saved = [
