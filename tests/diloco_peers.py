@@ -128,11 +128,12 @@ class LateJoinSwarm:
         ] + [None]
         self.joined = threading.Event()
 
-    def join(self, ready: Callable[[Optimizer], bool], what: str, timeout: float = 60.0) -> Optimizer:
-        """Waits until ``ready(opt)`` holds for every early peer, then starts the joiner's optimizer."""
+    def join(self, ready: Callable[[Optimizer], bool], what: str, timeout: float = 60.0, **kwargs: Any) -> Optimizer:
+        """Waits until ``ready(opt)`` holds for every early peer, then starts the joiner's optimizer (with
+        ``kwargs`` of :func:`make_optimizer` on top of the swarm's, e.g. its own ``round_hooks``)."""
         wait_for(lambda: all(ready(opt) for opt in self.opts[:-1]), timeout, message=what)
         self.opts[-1] = make_optimizer(
-            self.dhts[-1], self.models[-1].parameters(), self.run_id, self.algorithm, **self.kwargs
+            self.dhts[-1], self.models[-1].parameters(), self.run_id, self.algorithm, **{**self.kwargs, **kwargs}
         )
         self.joined.set()
         return self.opts[-1]

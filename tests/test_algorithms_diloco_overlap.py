@@ -241,6 +241,15 @@ def finish(opt, impl: OverlappedDiLoCoImpl) -> None:
         opt.load_state_from_peers()
 
 
+def catch_up(opts: Sequence[Any]) -> None:
+    """After the peers stopped: a peer whose very last round did not average (the others applied it)
+    downloads the swarm's state, as it would at its next step."""
+    furthest = max(opt.algorithm_impl.round_indices for opt in opts)
+    for opt in opts:
+        if opt.algorithm_impl.round_indices != furthest:
+            opt.load_state_from_peers()
+
+
 def anchors_agree(impls: list[OverlappedDiLoCoImpl]) -> None:
     histories = [list(impl.history) for impl in impls]
     assert all(impl.round_indices == impls[0].round_indices for impl in impls), histories
@@ -377,11 +386,7 @@ def test_overlapped_late_joiner_with_fragments_gets_in_step():
         impls = [opt.algorithm_impl for opt in opts]
         histories = [(list(i.history), i.state_loads) for i in impls]
         assert last_step[0] < 10**6, histories  # the joiner contributed to rounds of both fragments
-        # a peer whose very last round did not average (the others applied it) downloads the swarm's state
-        furthest = max(impl.round_indices for impl in impls)
-        for opt, impl in zip(opts, impls, strict=True):
-            if impl.round_indices != furthest:
-                opt.load_state_from_peers()
+        catch_up(opts)
     joiner = impls[2]
     histories = [(list(i.history), i.state_loads) for i in impls]
     assert swarm.joined.is_set() and joiner.state_loads >= 1, histories
@@ -550,7 +555,8 @@ def test_a_joiner_refuses_a_donors_impossible_round_index_and_loads_from_another
                 run_peers(worker, len(indices), timeout=40)
 
             train([0, 1], 3 * inner_steps)
-            joiner = swarm.join(lambda o: True, "the early peers")
+            # the joiner's first round fails (a hook): it must still sit it out with weight 0 afterwards
+            joiner = swarm.join(lambda o: True, "the early peers", round_hooks=FailOneRound(0))
             joiner.load_state_from_peers()
             impls = [opt.algorithm_impl for opt in swarm.opts]
             assert "UntrustedStateError" in caplog.text or "refused the state" in caplog.text, caplog.text
@@ -559,8 +565,14 @@ def test_a_joiner_refuses_a_donors_impossible_round_index_and_loads_from_another
             assert impls[2].round_indices == impls[0].round_indices == [3, 3], [i.round_indices for i in impls]
             for mine, theirs in zip(impls[0].anchor, impls[2].anchor, strict=True):
                 torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
-            # it trains in step with the others: the next rounds of both fragments average all three
-            train([0, 1, 2], inner_steps + 1)
+            # it trains on with the others, in step
+            train([0, 1, 2], 2 * inner_steps + 1)
+            for opt in swarm.opts:
+                finish(opt, opt.algorithm_impl)
+            catch_up(swarm.opts)
     histories = [list(impl.history) for impl in impls]
-    assert {(h[0], h[1]) for h in impls[2].history if h[2] == "swarm" and h[4] == 3} == {(0, 3), (1, 3)}, histories
+    first = impls[2].history[0]
+    assert first[2] == "retry" and first[3] == 0.0, histories  # the injected failure, with weight 0
+    after = [h for h in impls[2].history if h[0] == first[0]][1]
+    assert after[3] == 0.0, histories  # a failed round did not say it was in step: still weight 0
     anchors_agree(impls)
