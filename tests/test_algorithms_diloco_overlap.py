@@ -208,6 +208,14 @@ def test_solo_overlapped_fragments_match_reference(solo_dht):
 # ----- real peers
 
 
+@pytest.fixture(scope="module")
+def swarm_dhts():
+    """Three DHT peers shared by this module's multi-peer tests (each test trains under its own run_id):
+    starting a swarm takes seconds, which the suite pays once here."""
+    with local_swarm(3) as dhts:
+        yield dhts
+
+
 def plain_diloco_reference(peers: int, steps: int, inner_steps: int, lr: float = 0.1) -> float:
     """What plain DiLoCo computes on the same data when every round succeeds (in one process)."""
     models = [linear_model(seed=0) for _ in range(peers)]
@@ -259,38 +267,38 @@ def anchors_agree(impls: list[OverlappedDiLoCoImpl]) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_overlapped_rounds_converge_without_stopping_the_inner_steps():
+def test_overlapped_rounds_converge_without_stopping_the_inner_steps(swarm_dhts):
     inner_steps, steps, peers = 10, 60, 2
-    with local_swarm(peers) as dhts:
-        models = [linear_model(seed=0) for _ in dhts]
-        algorithm = DiLoCo(inner_steps, overlap=True, fragments=2)  # float16 pseudo-gradients
-        opts = [make_optimizer(dht, m.parameters(), "overlap", algorithm) for dht, m in zip(dhts, models, strict=True)]
-        impls = [opt.algorithm_impl for opt in opts]
-        wait_for(lambda: all(o.tracker.global_progress.num_trainers == peers for o in opts), 30, message="peers")
+    dhts = swarm_dhts[:peers]
+    models = [linear_model(seed=0) for _ in dhts]
+    algorithm = DiLoCo(inner_steps, overlap=True, fragments=2)  # float16 pseudo-gradients
+    opts = [make_optimizer(dht, m.parameters(), "overlap", algorithm) for dht, m in zip(dhts, models, strict=True)]
+    impls = [opt.algorithm_impl for opt in opts]
+    wait_for(lambda: all(o.tracker.global_progress.num_trainers == peers for o in opts), 30, message="peers")
 
-        anchors: list[list[torch.Tensor]] = [[], []]
-        indices: list[list[int]] = [[], []]
+    anchors: list[list[torch.Tensor]] = [[], []]
+    indices: list[list[int]] = [[], []]
 
-        def worker(index: int) -> None:
-            generator = torch.Generator().manual_seed(index + 1)
-            for _ in range(steps):
-                train_step(models[index], opts[index], generator)
-                time.sleep(0.05)  # the compute of a step
-            finish(opts[index], impls[index])  # the rounds of step 60 (both peers take part)
-            anchors[index] = [a.clone() for a in impls[index].anchor]
-            indices[index] = impls[index].round_indices
-            for _ in range(inner_steps // 2 + 1):  # start the next round, then shut down with it in flight
-                train_step(models[index], opts[index], generator)
+    def worker(index: int) -> None:
+        generator = torch.Generator().manual_seed(index + 1)
+        for _ in range(steps):
+            train_step(models[index], opts[index], generator)
+            time.sleep(0.05)  # the compute of a step
+        finish(opts[index], impls[index])  # the rounds of step 60 (both peers take part)
+        anchors[index] = [a.clone() for a in impls[index].anchor]
+        indices[index] = impls[index].round_indices
+        for _ in range(inner_steps // 2 + 1):  # start the next round, then shut down with it in flight
+            train_step(models[index], opts[index], generator)
 
-        try:
-            run_peers(worker, peers, timeout=90)
-            in_flight = [impl.rounds_in_flight for impl in impls]
-            started = time.perf_counter()
-        finally:
-            for opt in opts:
-                opt.shutdown()
-        assert time.perf_counter() - started < 10  # rounds still in flight are cancelled, not awaited
-        assert all(impl.rounds_in_flight == 0 for impl in impls), in_flight
+    try:
+        run_peers(worker, peers, timeout=90)
+        in_flight = [impl.rounds_in_flight for impl in impls]
+        started = time.perf_counter()
+    finally:
+        for opt in opts:
+            opt.shutdown()
+    assert time.perf_counter() - started < 10  # rounds still in flight are cancelled, not awaited
+    assert all(impl.rounds_in_flight == 0 for impl in impls), in_flight
     reference = plain_diloco_reference(peers, steps, inner_steps)
     losses = [test_loss(m) for m in models]
     histories = [list(impl.history) for impl in impls]
@@ -311,32 +319,32 @@ def test_overlapped_rounds_converge_without_stopping_the_inner_steps():
 
 
 @pytest.mark.timeout(120)
-def test_overlapped_round_failed_on_one_peer_is_recovered():
+def test_overlapped_round_failed_on_one_peer_is_recovered(swarm_dhts):
     inner_steps, steps, failing_round = 10, 60, 1
-    with local_swarm(2) as dhts:
-        models = [linear_model(seed=0) for _ in dhts]
-        algorithm = DiLoCo(inner_steps, codec=None, overlap=True)
-        hooks = [None, FailOneRound(failing_round)]  # peer 1 counts its second round as failed
-        opts = [
-            make_optimizer(dht, m.parameters(), "overlap_fail", algorithm, round_hooks=h)
-            for dht, m, h in zip(dhts, models, hooks, strict=True)
-        ]
-        impls = [opt.algorithm_impl for opt in opts]
-        wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts), 30, message="both peers")
+    dhts = swarm_dhts[:2]
+    models = [linear_model(seed=0) for _ in dhts]
+    algorithm = DiLoCo(inner_steps, codec=None, overlap=True)
+    hooks = [None, FailOneRound(failing_round)]  # peer 1 counts its second round as failed
+    opts = [
+        make_optimizer(dht, m.parameters(), "overlap_fail", algorithm, round_hooks=h)
+        for dht, m, h in zip(dhts, models, hooks, strict=True)
+    ]
+    impls = [opt.algorithm_impl for opt in opts]
+    wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts), 30, message="both peers")
 
-        def worker(index: int) -> None:
-            generator = torch.Generator().manual_seed(index + 1)
-            impl = impls[index]
-            for _ in range(steps):
-                train_step(models[index], opts[index], generator)
-                time.sleep(0.05)
-            finish(opts[index], impl)
+    def worker(index: int) -> None:
+        generator = torch.Generator().manual_seed(index + 1)
+        impl = impls[index]
+        for _ in range(steps):
+            train_step(models[index], opts[index], generator)
+            time.sleep(0.05)
+        finish(opts[index], impl)
 
-        try:
-            run_peers(worker, 2, timeout=100)
-        finally:
-            for opt in opts:
-                opt.shutdown()
+    try:
+        run_peers(worker, 2, timeout=100)
+    finally:
+        for opt in opts:
+            opt.shutdown()
     histories = [(list(impl.history), impl.state_loads) for impl in impls]
     failed = [h for h in impls[1].history if h[2] != "swarm"]
     assert failed and failed[0][1] == failing_round, histories  # the injected failure: no outer step
@@ -353,7 +361,7 @@ def contributed(impl: OverlappedDiLoCoImpl, group: int) -> set[tuple[int, int]]:
 
 
 @pytest.mark.timeout(120)
-def test_overlapped_late_joiner_with_fragments_gets_in_step():
+def test_overlapped_late_joiner_with_fragments_gets_in_step(swarm_dhts):
     """A peer joins a swarm of two whose fragments (F=2, staggered by H/2) have rounds in flight most of
     the time, so its download is one round behind on a fragment or both: it takes part with weight 0,
     holds the others' averages, downloads again, and then averages with weight at the swarm's round
@@ -363,7 +371,8 @@ def test_overlapped_late_joiner_with_fragments_gets_in_step():
     inner_steps, fragments = 8, 2
     target = 2 * 16 * inner_steps  # an epoch per round: the joiner sees the swarm ahead and downloads
     algorithm = DiLoCo(inner_steps, codec=None, overlap=True, fragments=fragments)
-    with local_swarm(3) as dhts, LateJoinSwarm(dhts, "overlap_late", algorithm, target_batch_size=target) as swarm:
+    dhts = swarm_dhts[:3]
+    with LateJoinSwarm(dhts, "overlap_late", algorithm, target_batch_size=target) as swarm:
         models, opts = swarm.models, swarm.opts
         wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts[:2]), 30, message="peers")
         last_step = [10**6]  # the schedule is the swarm's: every peer stops at this step (set once the joiner is in)
@@ -455,35 +464,35 @@ def same_residuals(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_a_round_that_is_not_applied_leaves_no_error_feedback_residual():
+def test_a_round_that_is_not_applied_leaves_no_error_feedback_residual(swarm_dhts):
     """Rounds 0 and 2 succeed, round 1 arrives and is failed by a hook on both peers. Round 2 resends
     round 1's pseudo-gradient (``anchor - params`` still holds it), so after it each peer's residuals
     must be those of its rounds 0 and 2 alone: replayed on a fresh ErrorFeedback, in this process."""
     inner_steps, rounds = 4, 3
-    with local_swarm(2) as dhts:
-        models = [linear_model(seed=0) for _ in dhts]
-        codecs = [RecordingCodec(ErrorFeedback(SparseTopK(density=0.25, bits=4))) for _ in dhts]
-        opts = [
-            make_optimizer(d, m.parameters(), "overlap_ef", DiLoCo(inner_steps, codec=c, overlap=True), round_hooks=h)
-            for d, m, c, h in zip(dhts, models, codecs, [FailAfterRound(1), FailAfterRound(1)], strict=True)
-        ]
-        impls = [opt.algorithm_impl for opt in opts]
-        wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts), 30, message="both peers")
-        calls_per_round: list[list[int]] = [[], []]
+    dhts = swarm_dhts[:2]
+    models = [linear_model(seed=0) for _ in dhts]
+    codecs = [RecordingCodec(ErrorFeedback(SparseTopK(density=0.25, bits=4))) for _ in dhts]
+    opts = [
+        make_optimizer(d, m.parameters(), "overlap_ef", DiLoCo(inner_steps, codec=c, overlap=True), round_hooks=h)
+        for d, m, c, h in zip(dhts, models, codecs, [FailAfterRound(1), FailAfterRound(1)], strict=True)
+    ]
+    impls = [opt.algorithm_impl for opt in opts]
+    wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts), 30, message="both peers")
+    calls_per_round: list[list[int]] = [[], []]
 
-        def worker(index: int) -> None:
-            generator = torch.Generator().manual_seed(index + 1)
-            for step in range(1, rounds * inner_steps + 1):
-                train_step(models[index], opts[index], generator)
-                if step % inner_steps == 0:
-                    impls[index].settle()  # the round started at this step: every compression of it is done
-                    calls_per_round[index].append(len(codecs[index].calls))
+    def worker(index: int) -> None:
+        generator = torch.Generator().manual_seed(index + 1)
+        for step in range(1, rounds * inner_steps + 1):
+            train_step(models[index], opts[index], generator)
+            if step % inner_steps == 0:
+                impls[index].settle()  # the round started at this step: every compression of it is done
+                calls_per_round[index].append(len(codecs[index].calls))
 
-        try:
-            run_peers(worker, 2, timeout=50)
-        finally:
-            for opt in opts:
-                opt.shutdown()
+    try:
+        run_peers(worker, 2, timeout=50)
+    finally:
+        for opt in opts:
+            opt.shutdown()
     histories = [list(impl.history) for impl in impls]
     for index, impl in enumerate(impls):
         assert [h[2] for h in impl.history] == ["swarm", "retry", "swarm"], histories
@@ -519,7 +528,7 @@ def test_error_feedback_restores_one_fragments_residuals_only():
 
 
 @pytest.mark.timeout(90)
-def test_a_joiner_refuses_a_donors_impossible_round_index_and_loads_from_another(monkeypatch, caplog):
+def test_a_joiner_refuses_a_donors_impossible_round_index_and_loads_from_another(swarm_dhts, monkeypatch, caplog):
     """Two peers train with fragments; one of them serves joiners a phase with a huge round index (a
     finite value: only the algorithm's check can refuse it) and is asked first. The joiner refuses it
     with UntrustedStateError, bans that donor, downloads the honest peer's state, and trains in step."""
@@ -536,40 +545,40 @@ def test_a_joiner_refuses_a_donors_impossible_round_index_and_loads_from_another
         return metadata, tensors
 
     monkeypatch.setattr(TrainingStateAverager, "get_current_state", get_current_state)
-    with local_swarm(3) as dhts:
-        algorithm = DiLoCo(inner_steps, codec=None, overlap=True, fragments=fragments)
-        with LateJoinSwarm(dhts, "overlap_hostile", algorithm) as swarm:
-            early = swarm.opts[:2]
-            hostile.add(id(early[1].state_averager))
-            early[1].state_averager.state_sharing_priority = 1  # a newer version than the honest donor's 0
-            wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in early), 30, message="peers")
+    dhts = swarm_dhts[:3]
+    algorithm = DiLoCo(inner_steps, codec=None, overlap=True, fragments=fragments)
+    with LateJoinSwarm(dhts, "overlap_hostile", algorithm) as swarm:
+        early = swarm.opts[:2]
+        hostile.add(id(early[1].state_averager))
+        early[1].state_averager.state_sharing_priority = 1  # a newer version than the honest donor's 0
+        wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in early), 30, message="peers")
 
-            def train(indices: Sequence[int], steps: int) -> None:
-                def worker(index: int) -> None:
-                    generator = torch.Generator().manual_seed(indices[index] + 1)
-                    for _ in range(steps):
-                        train_step(swarm.models[indices[index]], swarm.opts[indices[index]], generator)
-                        time.sleep(0.02)
-                    swarm.opts[indices[index]].algorithm_impl.settle()
+        def train(indices: Sequence[int], steps: int) -> None:
+            def worker(index: int) -> None:
+                generator = torch.Generator().manual_seed(indices[index] + 1)
+                for _ in range(steps):
+                    train_step(swarm.models[indices[index]], swarm.opts[indices[index]], generator)
+                    time.sleep(0.02)
+                swarm.opts[indices[index]].algorithm_impl.settle()
 
-                run_peers(worker, len(indices), timeout=40)
+            run_peers(worker, len(indices), timeout=40)
 
-            train([0, 1], 3 * inner_steps)
-            # the joiner's first round fails (a hook): it must still sit it out with weight 0 afterwards
-            joiner = swarm.join(lambda o: True, "the early peers", round_hooks=FailOneRound(0))
-            joiner.load_state_from_peers()
-            impls = [opt.algorithm_impl for opt in swarm.opts]
-            assert "UntrustedStateError" in caplog.text or "refused the state" in caplog.text, caplog.text
-            assert early[1].state_averager.donor.stats.downloads >= 1  # it was asked first
-            assert impls[2].state_loads == 1
-            assert impls[2].round_indices == impls[0].round_indices == [3, 3], [i.round_indices for i in impls]
-            for mine, theirs in zip(impls[0].anchor, impls[2].anchor, strict=True):
-                torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
-            # it trains on with the others, in step
-            train([0, 1, 2], 2 * inner_steps + 1)
-            for opt in swarm.opts:
-                finish(opt, opt.algorithm_impl)
-            catch_up(swarm.opts)
+        train([0, 1], 3 * inner_steps)
+        # the joiner's first round fails (a hook): it must still sit it out with weight 0 afterwards
+        joiner = swarm.join(lambda o: True, "the early peers", round_hooks=FailOneRound(0))
+        joiner.load_state_from_peers()
+        impls = [opt.algorithm_impl for opt in swarm.opts]
+        assert "UntrustedStateError" in caplog.text or "refused the state" in caplog.text, caplog.text
+        assert early[1].state_averager.donor.stats.downloads >= 1  # it was asked first
+        assert impls[2].state_loads == 1
+        assert impls[2].round_indices == impls[0].round_indices == [3, 3], [i.round_indices for i in impls]
+        for mine, theirs in zip(impls[0].anchor, impls[2].anchor, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+        # it trains on with the others, in step
+        train([0, 1, 2], 2 * inner_steps + 1)
+        for opt in swarm.opts:
+            finish(opt, opt.algorithm_impl)
+        catch_up(swarm.opts)
     histories = [list(impl.history) for impl in impls]
     first = impls[2].history[0]
     assert first[2] == "retry" and first[3] == 0.0, histories  # the injected failure, with weight 0
