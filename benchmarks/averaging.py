@@ -104,17 +104,19 @@ def peer_main(
         dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         tensor = torch.randn(SIZES[args.size], generator=torch.Generator().manual_seed(index))
         averager = make_averager(impl, codec, tensor, dht, f"bench_{impl}_{codec}", args.peers, transport)
-        results.put((index, None, 0.0, 0.0, None, True))  # ready
+        results.put((index, None, 0.0, 0.0, None, True, None))  # ready
         for round_index in range(args.rounds + 1):  # round 0 warms up connections
             turn.acquire(timeout=STEP_TIMEOUT + 600)
             barrier.wait(timeout=120)
             start = time.time()
             outcome = averager.step(timeout=STEP_TIMEOUT)
             finish = time.time()
-            sent = getattr(getattr(averager, "last_round", None), "bytes_sent", None)
-            results.put((index, round_index, start, finish, sent, outcome is not None))
+            report = getattr(averager, "last_round", None)  # ours only: what the step's all-reduce did
+            sent = getattr(report, "bytes_sent", None)
+            allreduce = getattr(report, "seconds", None)
+            results.put((index, round_index, start, finish, sent, outcome is not None, allreduce))
     except Exception:
-        results.put((index, -1, 0.0, 0.0, None, traceback.format_exc()))
+        results.put((index, -1, 0.0, 0.0, None, traceback.format_exc(), None))
     finally:
         if averager is not None:
             averager.shutdown()
@@ -144,7 +146,12 @@ class Swarm:
             process.start()
         self.times: list[float] = []
         self.sent: list[int] = []
-        self._collect(warm_up=True)  # every peer is ready
+        self.allreduce: list[float] = []  # ours: the longest all-reduce of the round (the rest is matchmaking)
+        try:
+            self._collect(warm_up=True)  # every peer is ready
+        except BaseException:
+            self.close()  # the others would wait for their turn
+            raise
 
     def run_round(self, round_index: int) -> None:
         """Lets every peer run round ``round_index`` and waits until all of them have finished it."""
@@ -154,6 +161,8 @@ class Swarm:
         if round_index > 0:  # round 0 warms up connections
             self.times.append(max(r[3] for r in rows) - min(r[2] for r in rows))
             self.sent.extend(r[4] for r in rows if r[4] is not None)
+            if all(r[6] is not None for r in rows):
+                self.allreduce.append(max(r[6] for r in rows))
 
     def _collect(self, warm_up: bool = False) -> list[tuple]:
         rows = []
@@ -245,6 +254,10 @@ def main() -> None:
             print(
                 f"{label:24s} bytes sent per peer: {sent_text} (uncompressed butterfly minimum {minimum / 1e6:.1f} MB)"
             )
+            if swarm.allreduce:  # where our round's time goes: the all-reduce itself, the rest is matchmaking
+                allreduce = statistics.median(swarm.allreduce)
+                rest = ours - allreduce
+                print(f"{label:24s} of which all-reduce {allreduce:.3f} s, matchmaking and the rest {rest:.3f} s")
             case = f"{codec} {args.peers} peers {args.size} {transport}"
             results.append(lower_is_better(case, "s/round", round(ours, 4), hm_median and round(hm_median, 4)))
             if sent:
