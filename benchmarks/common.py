@@ -14,7 +14,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -87,33 +87,6 @@ def butterfly_bytes(peers: int, numel: int) -> float:
     """Bytes each peer must send (and receive) in a butterfly all-reduce of ``numel`` float32 values:
     its slice of every other peer's part, then the other peers' slices of its average."""
     return 2 * (peers - 1) / peers * numel * 4
-
-
-# ----- peers in processes (averaging.py, scale.py)
-
-
-def gather_from_peers(
-    processes: Sequence[Any], results: Any, count: int, timeout: float, failure: Callable[[Any], str | None]
-) -> list[Any]:
-    """Starts ``processes`` and returns ``count`` rows from their ``results`` queue; ``failure(row)``
-    names a peer's error (its traceback), raised here as RuntimeError. The processes are joined (killed
-    after 30 s) whatever happens."""
-    for process in processes:
-        process.start()
-    rows = []
-    try:
-        for _ in range(count):
-            row = results.get(timeout=timeout)
-            error = failure(row)
-            if error is not None:
-                raise RuntimeError(error)
-            rows.append(row)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    return rows
 
 
 # ----- one averaging group of a given size (group_formation.py, robust.py)
