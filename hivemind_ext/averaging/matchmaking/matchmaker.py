@@ -422,19 +422,21 @@ class Matchmaker:
         The leader's commit comes back on the board the protocol steps on, so it decides as if it
         had read the commit there (a member left out reads the board first: another seal may list
         it). A leader that refuses or answers with anything but a commit of the group is left
-        (:func:`.protocol.leader_failed`); one that does not answer in time, or whose answer got
-        lost, is waited for on the board, where its commit lands too."""
+        (:func:`.protocol.leader_failed`), and so is one that does not answer until one
+        ``request_timeout`` past its commit time; one that cannot be reached (or whose answer got
+        lost on the way) is waited for on the board, where its commit lands too."""
         group, me = state.group, state.declaration.member.key
         timeout = min(group.commit_by + self.config.request_timeout, deadline) - get_dht_time()
         try:
             commit = await self.confirmations.confirm(group, me, timeout=max(0.0, timeout))
-        except (ProtocolError, RemoteError) as e:
+        except (ProtocolError, RemoteError, DeadlineExceededError) as e:
+            # lying, refusing, or silent until one request_timeout past its commit time (as a dead one)
             logger.info("%s: leaving the group of %s: %s", self.peer_id, group.leader.peer_id, e)
             failed = leader_failed(state, get_dht_time(), self.config)
             _, board = await self._exchange(failed.writes, True, deadline)
             return failed.state, board
-        except (DeadlineExceededError, PeerUnreachableError) as e:
-            logger.debug("%s: no answer from the leader %s (%s): reading the board", self.peer_id, group.leader, e)
+        except PeerUnreachableError as e:
+            logger.debug("%s: the leader %s is unreachable (%s): reading the board", self.peer_id, group.leader, e)
             return state, None
         board: Board | None = Board()
         if me not in commit.members:
