@@ -16,9 +16,15 @@
    distance from the global mean after 2 rounds; mixing of 1,000 hashed peers in groups of 8 over
    3 rounds, next to hivemind's rule (random group bits that move as in hivemind's Moshpit
    averaging, reimplemented in group_key.py: hivemind's own matchmaking cannot be simulated).
+3. Progress records (:mod:`scale_progress`): what one read of the swarm's progress records costs a
+   peer at 8, 16, 32 and 64 peers (simulated writers' signed records in a real DHT, a real
+   ProgressTracker reading them); ``--progress-peers`` (none: skip).
+4. Digits training (:mod:`scale_training`, ``--digits 16``): 16 peers in rotating groups of
+   ``--group`` against one group of 16, same samples: held-out loss and the spread of parameters.
 
     python benchmarks/scale.py                       # 8 real peers in groups of 4, < 10 min
     python benchmarks/scale.py --peers 8 16 --no-hivemind
+    python benchmarks/scale.py --no-real --digits 16   # simulation, progress records, 16-peer digits
 
 The default runs 8 real peers only: on the shared 2-core machine 16 peers overloaded the DHTs
 (stores timed out) and 2 of 5 16-peer runs did not finish within 10 minutes; 64 peers (about
@@ -300,6 +306,40 @@ def mixing(count: int, group: int, rounds: int, rule: str, seed: int = 0) -> flo
     return statistics.pstdev(values.values()) / initial
 
 
+# ----- 3. progress records and 4. 16-peer digits training (their own modules)
+
+
+def progress_results(counts: list[int]) -> list[Result]:
+    """Issue 14 item 3: what one read of the progress records costs a peer at each swarm size."""
+    from scale_progress import measure_progress_reads
+
+    results = []
+    for row in measure_progress_reads(tuple(counts)):
+        case = f"progress records, {row['peers']} peers"
+        results.append(lower_is_better(case, "read ms (median)", row["read_s"] * 1e3, None))
+        results.append(lower_is_better(case, "reader CPU ms", row["cpu_s"] * 1e3, None))
+        results.append(lower_is_better(case, "bytes per read", float(row["bytes"]), None))
+    return results
+
+
+def digits_results(peers: int, group: int, epochs: int) -> list[Result]:
+    """Issue 14: digits training in rotating groups against one group of the whole swarm."""
+    from scale_training import compare_groups
+
+    outcomes = compare_groups(peers=peers, group=group, epochs=epochs)
+    grouped, whole = outcomes[f"groups of {group}"], outcomes["one group"]
+    case = f"digits, {peers} peers, groups of {group} vs one group"
+    ratio = grouped["loss"] / whole["loss"]
+    print(f"{case}: held-out loss ratio {ratio:.4f} (goal <= 1.02)", flush=True)
+    return [
+        lower_is_better(case, "held-out loss, groups", grouped["loss"], None),
+        lower_is_better(case, "held-out loss, one group", whole["loss"], None),
+        lower_is_better(case, "loss ratio groups / one group", ratio, None),
+        lower_is_better(case, "parameter spread, groups", grouped["spread"], None),
+        lower_is_better(case, "parameter spread, one group", whole["spread"], None),
+    ]
+
+
 # ----- main
 
 
@@ -313,6 +353,11 @@ def main() -> None:
     parser.add_argument("--sim-peers", type=int, default=1000)
     parser.add_argument("--no-hivemind", action="store_true")
     parser.add_argument("--no-real", action="store_true", help="only the simulation")
+    parser.add_argument(
+        "--progress-peers", type=int, nargs="*", default=[8, 16, 32, 64], help="the progress-record case's swarm sizes"
+    )
+    parser.add_argument("--digits", type=int, default=0, metavar="PEERS", help="digits training in groups (e.g. 16)")
+    parser.add_argument("--digits-epochs", type=int, default=12)
     args = parser.parse_args()
     print(describe_machine(), "| load", os.getloadavg(), flush=True)
     results: list[Result] = []
@@ -334,6 +379,11 @@ def main() -> None:
         case = f"sim {args.sim_peers} peers, {rounds} rounds"
         print(f"mixing, {case}, groups of 8: spread x{ours:.3g} (hivemind {theirs:.3g})")
         results.append(lower_is_better(case, "spread / initial", ours, theirs))
+
+    if args.progress_peers:
+        results.extend(progress_results(args.progress_peers))
+    if args.digits:
+        results.extend(digits_results(args.digits, args.group, args.digits_epochs))
 
     if not args.no_real:
         for peers in args.peers:
