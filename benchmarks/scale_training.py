@@ -132,7 +132,7 @@ def compare_groups(
     data = load_digits()
     keys = [RSAPrivateKey() for _ in range(peers)]
     outcomes = {}
-    with local_swarm(peers) as dhts:
+    with local_swarm(peers, startup_timeout=120) as dhts:  # 16 daemons start at once on a small machine
         for name, size in ((f"groups of {group}", group), ("one group", None)):
             outcome = train_case(
                 dhts,
