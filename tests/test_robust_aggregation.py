@@ -312,16 +312,17 @@ def _attacked_round(dhts: Sequence[hivemind.DHT], **options: Any) -> list[Decent
         )
         for i, dht in enumerate(dhts)
     ]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [
-            pool.submit(averager.step, timeout=15 if i == ATTACKER else 45, weight=WEIGHTS[i])
-            for i, averager in enumerate(group)
-        ]
-        for i, future in enumerate(futures):
-            if i != ATTACKER:
-                future.result(timeout=60)
-        # the attacker's own values are left out of every part: its step may fail ("averaged nothing")
-        concurrent.futures.wait(futures, timeout=60)
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    futures = [
+        pool.submit(averager.step, timeout=15 if i == ATTACKER else 45, weight=WEIGHTS[i])
+        for i, averager in enumerate(group)
+    ]
+    for i, future in enumerate(futures):
+        if i != ATTACKER:
+            future.result(timeout=60)
+    # the attacker's own values are left out of every part: its step may fail ("averaged nothing"), or wait
+    # for results nobody sends until its timeout; the caller's shutdown of its averager ends it sooner
+    pool.shutdown(wait=False)
     return group
 
 

@@ -51,7 +51,12 @@ class AllreduceConfig:
       keyword, which there bounds each chunk's whole transfer, has this meaning here); the round's
       ``allreduce_timeout`` bounds everything. ``None``: the default (5 s)
     :param allreduce_timeout: the whole round ends within this many seconds (plus a small margin)
-      of its start, whatever other peers do; ``None``: the default (60 s)
+      of its start, whatever other peers do; ``None``: the default (60 s). With ``adaptive_deadline``
+      this is the floor: a round predicted to take longer gets a multiple of its prediction
+    :param adaptive_deadline: lengthen the round's deadline (and ``collect_timeout`` in proportion)
+      to 3x its duration predicted from the members' declared throughputs where that exceeds
+      ``allreduce_timeout``, up to an hour (see :mod:`.round_time`); stalls are still cut by
+      ``next_chunk_timeout``. ``False``: ``allreduce_timeout`` is a fixed bound
     :param collect_timeout: owners stop waiting for slow senders this many seconds after the start
       and average what arrived, leaving the rest of ``allreduce_timeout`` to send the results back;
       ``None``: 3/4 of ``allreduce_timeout``
@@ -73,6 +78,7 @@ class AllreduceConfig:
     next_chunk_timeout: float | None = None
     allreduce_timeout: float | None = None
     collect_timeout: float | None = None
+    adaptive_deadline: bool = True
     offload_codecs: bool = False
     aggregator: Aggregator = dataclasses.field(default_factory=WeightedMean)
     norm_bound: float | None = DEFAULT_NORM_BOUND
@@ -91,6 +97,8 @@ class AllreduceConfig:
                 f"collect_timeout ({self.collect_timeout}) must be shorter than allreduce_timeout "
                 f"({self.allreduce_timeout}): owners need time to send the results back"
             )
+        if not isinstance(self.adaptive_deadline, bool):
+            raise ConfigurationError(f"adaptive_deadline must be a bool, got {self.adaptive_deadline!r}")
         if not isinstance(self.offload_codecs, bool):
             raise ConfigurationError(f"offload_codecs must be a bool, got {self.offload_codecs!r}")
         object.__setattr__(self, "aggregator", check_aggregator(self.aggregator))
@@ -175,6 +183,10 @@ class AllreduceResult:
       whose values a complete round averages (see :attr:`missing`)
     :param receive_rate: bytes/s at which this peer received during the round, what its
       throughput estimate learns from (see :mod:`.throughput`); None if the round moved too little
+    :param predicted_seconds: the round's duration predicted from the members' declared throughputs
+      (see :mod:`.round_time`); None where nobody declared one
+    :param timeout_seconds: how long the round was allowed to take (``allreduce_timeout``, or the
+      longer deadline the prediction set)
     """
 
     tensors: list[torch.Tensor]
@@ -185,6 +197,8 @@ class AllreduceResult:
     bytes_received: int
     members: tuple[PeerID, ...] = ()
     receive_rate: float | None = None
+    predicted_seconds: float | None = None
+    timeout_seconds: float | None = None
 
     @property
     def contributors(self) -> tuple[tuple[PeerID, ...], ...]:

@@ -88,6 +88,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import random
@@ -111,6 +112,7 @@ from hivemind_ext.averaging.allreduce.layout import (
     plan_layout,
 )
 from hivemind_ext.averaging.allreduce.round_state import CodecRunner, RoundContext, RoundTensors
+from hivemind_ext.averaging.allreduce.round_time import MAX_ROUND_SECONDS, predict_round_seconds, round_timeout
 from hivemind_ext.averaging.allreduce.run import MAX_GATHER_BYTES, RoundRun
 from hivemind_ext.averaging.allreduce.wire import (
     HANDLER_NAME,
@@ -145,7 +147,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_ROUND_WAIT_TIMEOUT = 5.0
 FIRST_MESSAGE_TIMEOUT = 10.0
-MAX_ROUND_SECONDS = 3600.0  # the handler serves one stream for at most this long
+
 REFUSAL_DELAY = 0.5  # a stream refused a wait for its round is answered after 1-2x this long
 FINISHED_GROUPS_KEPT = 256
 
@@ -157,7 +159,6 @@ __all__ = [
     "PartOutcome",
     "RoundHooks",
 ]
-
 
 class AllreduceService:
     """Runs all-reduce rounds for one peer and serves the parts it owns.
@@ -267,7 +268,11 @@ class AllreduceService:
         round_ = RoundRun(context, self.rpc_client)
         self._register(round_)
         try:
-            return await round_.run()
+            result = await round_.run()
+            predicted = predict_round_seconds(context.layout, group.members)
+            return dataclasses.replace(
+                result, predicted_seconds=predicted, timeout_seconds=context.config.allreduce_timeout
+            )
         finally:
             self._unregister(round_)
             await round_.close()
@@ -308,6 +313,8 @@ class AllreduceService:
                 layout = plan_layout(specs, member_roles(group.members), config.part_size_bytes)
             except ConfigurationError as e:
                 raise AllreduceError(f"group {group.group_id.hex()} cannot run: {e}") from e
+        if config.adaptive_deadline:
+            config = _with_round_timeout(config, predict_round_seconds(layout, group.members))
         return RoundContext(
             group_id=group.group_id,
             members=group.members,
@@ -408,6 +415,14 @@ class AllreduceService:
                     if not arrival.is_set():
                         self._arrivals.pop(group_id, None)
 
+def _with_round_timeout(config: AllreduceConfig, predicted: float | None) -> AllreduceConfig:
+    """``config`` with the whole-round deadline the prediction sets (see :mod:`.round_time`), and the
+    owners' collect deadline stretched in proportion."""
+    seconds = round_timeout(predicted, config.allreduce_timeout)
+    if seconds <= config.allreduce_timeout:
+        return config
+    scale = seconds / config.allreduce_timeout
+    return dataclasses.replace(config, allreduce_timeout=seconds, collect_timeout=config.collect_timeout * scale)
 
 def _my_index(group: GroupInfo, peer_id: PeerID) -> int:
     names = [member.peer_id for member in group.members]
@@ -417,7 +432,6 @@ def _my_index(group: GroupInfo, peer_id: PeerID) -> int:
         return group.index_of(peer_id)
     except ValueError as e:
         raise AllreduceError(str(e)) from None
-
 
 def _checked_infos(infos: Sequence[CompressionInfo] | None, count: int) -> Sequence[CompressionInfo] | None:
     if infos is None:
