@@ -155,16 +155,14 @@ def run_swarm(
     sleep: float | Callable[[int], float] = 0.01,
     max_seconds: float = 60.0,
     drain: bool = True,
-    steps: int | None = None,
 ) -> SwarmRun:
     """Trains one model per DHT in its own thread until every peer reaches ``target_epoch``.
 
     Each peer builds ``make_model()`` (same seed: same initial parameters) and an Optimizer with
     ``optimizer_kwargs`` (``dht``, ``run_id``, ``params`` and ``batch_size_per_step`` are filled in),
     feeds it batches from its :class:`RegressionStream` and sleeps ``sleep`` (or ``sleep(peer)``)
-    seconds between steps. With ``steps``, each peer stops after exactly that many steps instead (e.g.
-    a whole number of DiLoCo rounds). With ``drain``, once all threads are done each peer applies its
-    last state averaging round, so that peers that average their state end on the same parameters.
+    seconds between steps. With ``drain``, once all threads are done each peer applies its last
+    state averaging round, so that peers that average their state end on the same parameters.
     Optimizers are shut down in ``finally``.
     """
     collector = WarningCollector()
@@ -189,9 +187,7 @@ def run_swarm(
             stream = RegressionStream(index, seed=data_seed, batch_sizes=batch_sizes)
             pause = sleep if callable(sleep) else (lambda _peer: sleep)
             try:
-                while not stop.is_set() and (
-                    opt.local_epoch < target_epoch if steps is None else len(log.steps) < steps
-                ):
+                while opt.local_epoch < target_epoch and not stop.is_set():
                     epoch = opt.local_epoch
                     log.lr_at_epoch.setdefault(epoch, float(opt.param_groups[0]["lr"]))
                     x, y = stream.next_batch()
