@@ -41,6 +41,10 @@ failed round (it is in line with the swarm; the average mixed in a stale pseudo-
 Peers must start from the same parameters (the same seed, or a state download), as with any
 gradient-averaging optimizer: DiLoCo averages differences, never the parameters themselves.
 
+In groups smaller than the swarm (``averager_opts=dict(target_group_size=k)``) anchors would part,
+one group's mean pseudo-gradient at a time: each round then also averages the anchor and the outer
+momentum, and rounds that mix round indices are not failures (see :mod:`.outer_mixing`).
+
 With ``overlap=True`` the outer round runs in the background while the inner steps go on, and its
 outer update is applied when it arrives, keeping the inner steps made meanwhile (DiLoCo with a
 one-step delay; Streaming DiLoCo with ``fragments`` > 1): see :mod:`.streaming`.
