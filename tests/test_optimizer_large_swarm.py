@@ -125,8 +125,9 @@ def test_diloco_in_rotating_groups_keeps_peers_together(dhts) -> None:
     assert all(len(h) >= 2 and all(kind == "swarm" for kind in h[:-1]) for h in histories), histories
     assert loads == [0] * peers, loads
     assert last < 0.3 * first, f"loss {first:.4f} -> {last:.4f}"
-    # measured: 0.03 of the distance moved (0.11-0.25 before, in 3 runs)
-    assert spread < 0.07 * moved, "peers' outer states drifted apart"
+    # measured after: 0.03-0.06 of the distance moved in 5 runs; before: 0.04-0.25 in 5 runs, with retries
+    # or state downloads in 2 (so this bound is not violated by every run of the old code)
+    assert spread < 0.1 * moved, "peers' outer states drifted apart"
 
 
 @pytest.mark.timeout(90)
