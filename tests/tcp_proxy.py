@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from collections.abc import Iterator
 
 
 class TcpProxy:
@@ -19,6 +21,7 @@ class TcpProxy:
         self.target_port: int | None = None  # set once the server behind it listens
         self.captured = bytearray()
         self.flipped = 0  # connections altered so far
+        self.connections = 0  # accepted so far
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -39,6 +42,7 @@ class TcpProxy:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        self.connections += 1
         try:
             if self.target_port is None:
                 return
@@ -69,3 +73,22 @@ class TcpProxy:
                 writer.write(data)
                 await writer.drain()
             writer.write_eof()
+
+
+@contextlib.contextmanager
+def proxy_in_thread(target_port: int) -> Iterator[TcpProxy]:
+    """A TcpProxy to ``target_port`` on an event loop of its own (for tests whose peers run their own loops)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="tcp-proxy", daemon=True)
+    thread.start()
+    try:
+        proxy = asyncio.run_coroutine_threadsafe(TcpProxy().start(), loop).result(5)
+        proxy.target_port = target_port
+        try:
+            yield proxy
+        finally:
+            asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(5)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()

@@ -15,6 +15,7 @@ import hivemind.compression
 import pytest
 import torch
 from swarm import local_swarm, wait_for
+from tcp_proxy import proxy_in_thread
 
 from hivemind_ext.averaging import AveragingStage, DecentralizedAverager
 from hivemind_ext.compression import Float16Compression
@@ -161,6 +162,37 @@ def test_direct_path_is_on_by_default_and_each_pair_reports_its_transport(swarm:
             DecentralizedAverager(make_tensors(0), swarm[0], prefix="x", direct_data_path="localhost", start=False)
     finally:
         shutdown_all(group)
+
+
+def test_all_reduce_and_state_downloads_share_one_fixed_direct_port(swarm: list[hivemind.DHT]) -> None:
+    # Peer 0 fixes its direct port and advertises a proxy in front of it: every direct connection to
+    # it, the round's and the download's, must pass through that one port.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    prefix = fresh_prefix()
+    options = dict(target_group_size=2, min_matchmaking_time=30.0, request_timeout=1.0, start=True)
+    with proxy_in_thread(port) as proxy:
+        fixed = DirectConfig(host="127.0.0.1", port=port, advertise_port=proxy.port)
+        group = [
+            DecentralizedAverager(make_tensors(0), swarm[0], prefix=prefix, direct_data_path=fixed, **options),
+            DecentralizedAverager(make_tensors(1), swarm[1], prefix=prefix, **options),
+        ]
+        try:
+            with socket.socket() as taken, pytest.raises(OSError):
+                taken.bind(("127.0.0.1", port))  # the fixed port is the listener's
+            step_all(group)
+            assert group[1].last_round.transports == {str(group[0].peer_id): "direct"}
+            after_round = proxy.connections
+            assert after_round >= 1
+            group[1].allow_state_sharing = False
+            with group[0].get_tensors() as tensors:
+                averaged = [tensor.clone() for tensor in tensors]
+            loaded = wait_for(lambda: group[1].load_state_from_peers(timeout=10), 20, interval=0.5, message="a donor")
+            assert all(torch.equal(got, want) for got, want in zip(loaded[1], averaged, strict=True))
+            assert proxy.connections > after_round  # the download came through the same port
+        finally:
+            shutdown_all(group)
 
 
 def test_rounds_reuse_their_scratch_tensors_and_overlapping_rounds_never_share_them(

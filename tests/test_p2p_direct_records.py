@@ -25,7 +25,7 @@ from hivemind_ext.errors import (
     HivemindExtError,
     ProtocolError,
 )
-from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Message, RPCClient
+from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Message, RPCClient, RPCContext
 from hivemind_ext.p2p.direct_address import choose_direct_address
 from hivemind_ext.p2p.direct_client import DirectConnector
 from hivemind_ext.p2p.direct_records import (
@@ -40,6 +40,7 @@ from hivemind_ext.p2p.direct_settings import DirectSettings
 from hivemind_ext.p2p.direct_transport import DirectStream, open_direct_connection, seal, start_direct_server
 from hivemind_ext.p2p.direct_wire import (
     ACCEPTED,
+    REJECTED,
     TICKET_HANDLER,
     encode_handler_name,
     encode_hello,
@@ -195,6 +196,46 @@ async def test_malformed_ticket_keys_are_refused() -> None:
             assert "error" in response.header
 
 
+async def _hello_answer(host: str, port: int, token: bytes, key: bytes, handler: str) -> bytes:
+    """The server's answer to a caller presenting ``token`` (sealed with ``key``) for ``handler``."""
+    reader, writer = await open_direct_connection(host, port)
+    try:
+        writer.write(encode_hello(token))
+        reader, writer = seal(reader, writer, key, CALLER)
+        writer.write(encode_handler_name(handler))
+        return await asyncio.wait_for(reader.readexactly(1), 5)
+    finally:
+        writer.transport.abort()
+
+
+@async_test
+async def test_servers_sharing_one_listener_open_only_their_own_handlers() -> None:
+    async def here(request: Message, context: RPCContext) -> Message:
+        return Message({"transport": context.transport})
+
+    async with pair() as peers:
+        other = peers.server.scope(f"{NAMESPACE}_other")
+        await other.add_unary("only_here", here)
+        assert await other.share_direct(peers.server) == peers.server.direct_address
+        client = RPCClient(peers.client_p2p, other.namespace, limits=LIMITS, prefer_direct=True)
+        assert (await client.call(peers.peer, "only_here", Message({}), timeout=10)).header["transport"] == "direct"
+        assert (await peers.whoami()).header["transport"] == "direct"
+        host, port = peers.server.direct_address
+        for namespace, foreign in ((other.namespace, "whoami"), (NAMESPACE, "only_here")):
+            caller = RPCClient(peers.client_p2p, namespace, limits=LIMITS)
+            response = await caller.call(peers.peer, TICKET_HANDLER, Message({"count": 1}), timeout=5)
+            ticket = parse_ticket_response(response.header)
+            assert ticket.port == port and ticket.keys is not None
+            # a token opens its own namespace's handlers only, though the port is the same
+            assert await _hello_answer(host, port, ticket.tokens[0], ticket.keys[0], foreign) == REJECTED
+        with pytest.raises(ConfigurationError):
+            await other.share_direct(peers.server)  # once
+        with pytest.raises(ConfigurationError):
+            await peers.server.scope(f"{NAMESPACE}_third").share_direct(other)  # only a listener's owner shares it
+        await other.shutdown()
+        assert (await peers.whoami()).header["transport"] == "direct"  # the owner keeps its port
+
+
 # ----- the record layer over one loopback TCP connection, with a hand-written caller side
 
 
@@ -213,7 +254,9 @@ class Sealed:
             accepted.set_result(reader)
 
         self.server = await start_direct_server(on_connection, "127.0.0.1", 0)
-        _, self.writer = await open_direct_connection("127.0.0.1", self.server.sockets[0].getsockname()[1])
+        self.client_reader, self.writer = await open_direct_connection(
+            "127.0.0.1", self.server.sockets[0].getsockname()[1]
+        )
         self.reader = await asyncio.wait_for(accepted, 5)
         return self
 
@@ -236,6 +279,33 @@ async def test_records_carry_bytes_exactly_across_record_and_read_boundaries() -
             await asyncio.wait_for(connection.reader.readexactly_into(view[3 : 3 + MAX_RECORD_BYTES]), 5)
             await asyncio.wait_for(connection.reader.readexactly_into(view[3 + MAX_RECORD_BYTES :]), 5)
         assert received == data
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_reused_send_buffers_never_alter_records_still_queued(loop: str) -> None:
+    # The sealing writer reuses its record buffers once the transport has sent them; records written
+    # faster than the reader takes them stay queued (uvloop queues the buffers themselves) and must
+    # leave unchanged.
+    import uvloop
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(_reused_send_buffers())
+
+
+async def _reused_send_buffers() -> None:
+    chunks = [os.urandom(MAX_RECORD_BYTES - i) for i in range(24)]
+    async with Sealed() as connection:
+        _, writer = seal(connection.client_reader, connection.writer, connection.key, CALLER)
+
+        for chunk in chunks:  # more than the kernel's socket buffers hold: most records wait in the transport
+            writer.write(chunk)
+        assert writer.transport.get_write_buffer_size() > 4 * MAX_RECORD_BYTES
+        received = bytearray(sum(map(len, chunks)))
+        await asyncio.wait_for(connection.reader.readexactly_into(memoryview(received)), 20)
+        await asyncio.wait_for(writer.drain(), 5)
+        for chunk in chunks[:3]:  # reusing the now idle buffers
+            writer.write(chunk)
+        again = await asyncio.wait_for(connection.reader.readexactly(3 * len(chunks[0]) - 3), 20)
+        assert received == b"".join(chunks) and again == b"".join(chunks[:3])
 
 
 def _length(value: int) -> bytes:
@@ -346,7 +416,6 @@ def test_the_averager_keywords_become_direct_path_settings() -> None:
     assert plain.server.plaintext and plain.client_config.allow_plaintext
     given = DirectConfig(host="127.0.0.1", port=47000, advertise_port=47001)
     assert DirectSettings.of(given).server == given
-    assert DirectSettings.for_second_listener(given) == DirectConfig(host="127.0.0.1")
     assert not DirectSettings.of(False).enabled and not DirectSettings.of(None).enabled
     for bad in (dict(direct_data_path="localhost"), dict(direct_data_path=5), dict(direct_data_path=True, plaintext=1)):
         with pytest.raises(ConfigurationError):

@@ -421,7 +421,7 @@ class DecentralizedAverager:
                 get_state=self.get_current_state,
                 version=self._state_sharing_priority,
                 state_lock=self._lock,  # the donor copies what get_current_state returns under get_tensors()'s lock
-                direct=self._direct.for_second_listener(direct_server),
+                direct=self._server if direct_server is not None else None,  # one listener, one port
             )
             self._donor.allow_state_sharing = self._allow_state_sharing
             await self._donor.start()

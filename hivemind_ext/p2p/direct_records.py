@@ -32,6 +32,7 @@ without the key its first record fails, and a server without the key cannot answ
 from __future__ import annotations
 
 import asyncio
+import collections
 import struct
 from typing import Any
 
@@ -47,6 +48,9 @@ MAX_RECORD_BYTES = 1024 * 1024
 LENGTH = struct.Struct("<I")
 CALLER, SERVER = 0, 1  # direction bytes: who sealed the record
 STAGING_BYTES = 64 * 1024  # read-ahead while a record's length is unknown (bounds the bytes moved after it)
+RECORD_BUFFER_BYTES = LENGTH.size + MAX_RECORD_BYTES + TAG_BYTES  # the largest record on the wire
+POOLED_RECORD_BYTES = 64 * 1024  # records at least this large are sealed into reused buffers
+MAX_FREE_BUFFERS = 8  # per connection; the transport's write buffer limit bounds those in flight
 
 
 def _aead(key: bytes) -> Any:
@@ -71,18 +75,32 @@ class RecordSealer:
         self._aead, self._direction, self._counter = _aead(key), direction, 0
 
     def seal(self, data: bytes | bytearray | memoryview) -> bytearray:
-        """One record holding ``data`` (at most MAX_RECORD_BYTES), in a fresh buffer: the transport
-        may keep it queued after ``write`` returns, so it must not be reused."""
-        size = len(data) if not isinstance(data, memoryview) else data.nbytes
+        """One record holding ``data`` (at most MAX_RECORD_BYTES), in a fresh buffer."""
+        record = bytearray(sealed_size(_nbytes(data)))
+        self.seal_into(data, memoryview(record))
+        return record
+
+    def seal_into(self, data: bytes | bytearray | memoryview, out: memoryview) -> int:
+        """Seals ``data`` (at most MAX_RECORD_BYTES) as one record at the start of ``out`` (which
+        must hold :func:`sealed_size` bytes); returns the record's size."""
+        size = _nbytes(data)
         if size > MAX_RECORD_BYTES:
             raise ProtocolError(f"a direct-path record holds at most {MAX_RECORD_BYTES} bytes")
-        record = bytearray(LENGTH.size + size + TAG_BYTES)
-        LENGTH.pack_into(record, 0, size + TAG_BYTES)
-        with memoryview(record) as view:
-            nonce = _nonce(self._direction, self._counter)
-            self._aead.encrypt_into(nonce, data, view[: LENGTH.size], view[LENGTH.size :])
-        self._counter += 1
-        return record
+        end = sealed_size(size)
+        LENGTH.pack_into(out, 0, size + TAG_BYTES)
+        nonce = _nonce(self._direction, self._counter)
+        self._counter += 1  # before encrypting: a failed call must not leave a nonce to reuse
+        self._aead.encrypt_into(nonce, data, out[: LENGTH.size], out[LENGTH.size : end])
+        return end
+
+
+def sealed_size(size: int) -> int:
+    """Bytes on the wire of a record holding ``size`` plaintext bytes."""
+    return LENGTH.size + size + TAG_BYTES
+
+
+def _nbytes(data: bytes | bytearray | memoryview) -> int:
+    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 class RecordOpener:
@@ -162,6 +180,37 @@ class RecordOpener:
         return out
 
 
+class SendBuffers:
+    """Reusable buffers for the records of one connection, so that sealing does not allocate (and
+    the kernel zero-fill and map) a fresh megabyte per record.
+
+    The transport keeps a reference to each buffer it has not sent yet (uvloop and asyncio queue the
+    object, they do not copy it), so a buffer is reused only once the transport's queue is shorter
+    than what was written after it: transports send in write order, so the bytes still queued are
+    always the newest ones written."""
+
+    def __init__(self, transport: asyncio.WriteTransport) -> None:
+        self._transport = transport
+        self._in_flight: collections.deque[tuple[bytearray, int]] = collections.deque()  # write order
+        self._in_flight_bytes = 0
+        self._free: list[bytearray] = []
+
+    def take(self) -> bytearray:
+        """A buffer of RECORD_BUFFER_BYTES that the transport no longer reads."""
+        queued = self._transport.get_write_buffer_size()
+        while self._in_flight and self._in_flight_bytes - self._in_flight[0][1] >= queued:
+            buffer, size = self._in_flight.popleft()
+            self._in_flight_bytes -= size
+            if len(self._free) < MAX_FREE_BUFFERS:
+                self._free.append(buffer)
+        return self._free.pop() if self._free else bytearray(RECORD_BUFFER_BYTES)
+
+    def sent(self, buffer: bytearray, size: int) -> None:
+        """``size`` bytes of ``buffer`` were just written to the transport."""
+        self._in_flight.append((buffer, size))
+        self._in_flight_bytes += size
+
+
 class SealedWriter(asyncio.StreamWriter):
     """An ``asyncio.StreamWriter`` whose writes leave as records (one per write, split at MAX_RECORD_BYTES)."""
 
@@ -169,12 +218,20 @@ class SealedWriter(asyncio.StreamWriter):
         super().__init__(writer.transport, protocol, None, asyncio.get_running_loop())
         # kept alive with this one: a collected StreamWriter closes its transport
         self.plain_writer, self.sealer = writer, sealer
+        self._buffers = SendBuffers(writer.transport)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         with memoryview(data) as view:
             view = view.cast("B")
             for start in range(0, view.nbytes, MAX_RECORD_BYTES):
-                self.transport.write(self.sealer.seal(view[start : start + MAX_RECORD_BYTES]))
+                piece = view[start : start + MAX_RECORD_BYTES]
+                if piece.nbytes < POOLED_RECORD_BYTES:  # headers and small messages: a small fresh buffer
+                    self.transport.write(self.sealer.seal(piece))
+                    continue
+                buffer = self._buffers.take()
+                size = self.sealer.seal_into(piece, memoryview(buffer))
+                self.transport.write(memoryview(buffer)[:size])
+                self._buffers.sent(buffer, size)
 
     def writelines(self, data: Any) -> None:
         for piece in data:

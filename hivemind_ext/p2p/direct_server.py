@@ -96,11 +96,13 @@ class DirectConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TicketHolder:
-    """Whom a token was issued to (a libp2p identity) and the session key issued with it, which
-    only that identity received (None for a plaintext server)."""
+    """Whom a token was issued to (a libp2p identity), the session key issued with it, which
+    only that identity received (None for a plaintext server), and the namespace whose handlers the
+    token opens (one listener can serve several servers, see ``RPCServer.share_direct``)."""
 
     peer_id: PeerID
     key: bytes | None
+    namespace: str = ""
 
 
 class TicketBook:
@@ -119,9 +121,11 @@ class TicketBook:
     def __len__(self) -> int:
         return len(self._tokens)
 
-    def issue(self, peer_id: PeerID, count: int, now: float) -> tuple[list[bytes], list[bytes] | None]:
-        """``count`` fresh tokens for ``peer_id``, valid until ``now + token_ttl``, and their
-        session keys (None for a plaintext server)."""
+    def issue(
+        self, peer_id: PeerID, count: int, now: float, namespace: str = ""
+    ) -> tuple[list[bytes], list[bytes] | None]:
+        """``count`` fresh tokens for ``peer_id`` into ``namespace``, valid until ``now + token_ttl``,
+        and their session keys (None for a plaintext server)."""
         self.expire(now)
         tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in range(count)]
         keys = None if self.config.plaintext else [new_session_key() for _ in range(count)]
@@ -130,7 +134,7 @@ class TicketBook:
                 self._drop_oldest_of(peer_id)
             if len(self._tokens) >= self.config.max_tokens:
                 self._forget(next(iter(self._tokens)))
-            holder = TicketHolder(peer_id, keys[i] if keys is not None else None)
+            holder = TicketHolder(peer_id, keys[i] if keys is not None else None, namespace)
             self._tokens[token] = (holder, now + self.config.token_ttl)
             self._per_peer[peer_id] += 1
         return tokens, keys

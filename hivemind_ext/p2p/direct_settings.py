@@ -67,13 +67,6 @@ class DirectSettings:
         base = DirectConfig(host="127.0.0.1", plaintext=self.plaintext)  # its address is replaced
         return await direct_config_for(dht, p2p, base)
 
-    @staticmethod
-    def for_second_listener(config: DirectConfig | None) -> DirectConfig | None:
-        """The settings of a component's second listener (an averager's state donor, beside its
-        all-reduce): the same address and policy on a port of its own, as a fixed or forwarded port
-        can be bound and advertised once only."""
-        return dataclasses.replace(config, port=0, advertise_port=None) if config is not None else None
-
 
 def _with_plaintext(config: DirectConfig, plaintext: bool) -> DirectConfig:
     return dataclasses.replace(config, plaintext=True) if plaintext and not config.plaintext else config

@@ -10,7 +10,9 @@ Direct data path (:meth:`RPCServer.enable_direct`): the server also listens on a
 serves calls that arrive there with a one-time token obtained over libp2p, encrypted by default
 with the session key issued with the token (see :mod:`~hivemind_ext.p2p.direct_wire` and
 :mod:`~hivemind_ext.p2p.direct_records`). With ``DirectConfig(plaintext=True)`` such calls are
-authenticated but **not encrypted**.
+authenticated but **not encrypted**. Several servers of one peer (an averager's all-reduce and its
+state donor) serve through one listener, and so one port (:meth:`RPCServer.share_direct`): each
+token names the namespace it was issued for, and a connection is served by that namespace's server.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ class RPCServer:
         self._calls = TaskOwner(f"RPCServer({namespace}) calls")
         self._direct: DirectListener | None = None
         self._tickets: TicketBook | None = None
+        self._owns_direct = False  # False when the listener is another server's (share_direct)
+        self._direct_sharers: dict[str, RPCServer] = {}  # namespace -> server using our listener
+        self._direct_source: RPCServer | None = None  # the server whose listener we use
         self._pending_hellos = 0
         self.direct_refusals = 0  # direct connections refused after their hello (bad token or certificate)
         self._scopes: dict[str, RPCServer] = {}  # namespace -> open scope (see scope())
@@ -216,7 +221,7 @@ class RPCServer:
             raise ConfigurationError(f"the direct data path of namespace {self.namespace!r} is already enabled")
         listener = DirectListener(config, self._serve_direct)
         await wait_until(listener.start(), now() + timeout, "starting the direct listener")
-        self._direct, self._tickets = listener, TicketBook(config)
+        self._direct, self._tickets, self._owns_direct = listener, TicketBook(config), True
         try:
             await self._add(TICKET_HANDLER, "unary", self._issue_tickets, TICKET_HANDLER_CONFIG, timeout, reserved=True)
         except BaseException:
@@ -224,6 +229,37 @@ class RPCServer:
             self._direct = self._tickets = None
             raise
         return listener.advertised
+
+    async def share_direct(self, source: RPCServer, *, timeout: float = DEFAULT_CONTROL_TIMEOUT) -> tuple[str, int]:
+        """Serves this server's handlers over ``source``'s direct listener (its port, tokens and
+        settings) instead of a listener of its own; returns the advertised (host, port).
+
+        Why: a fixed or forwarded port (``DirectConfig(port=..., advertise_port=...)``) can be bound
+        and advertised once only, and every listener is one more port to open in a firewall. Tokens
+        that this server issues name its namespace, so a connection presenting one reaches only this
+        server's handlers. ``source`` must outlive this server's use of it (its shutdown closes the port)."""
+        if self._calls.closing:
+            raise ClosedError(f"RPCServer({self.namespace}) is shut down")
+        if self._direct is not None:
+            raise ConfigurationError(f"the direct data path of namespace {self.namespace!r} is already enabled")
+        if source._direct is None or not source._owns_direct:
+            raise ConfigurationError(f"namespace {source.namespace!r} has no direct listener of its own to share")
+        if self.namespace in source._direct_sharers:
+            raise ConfigurationError(f"namespace {self.namespace!r} already shares {source.namespace!r}'s listener")
+        source._direct_sharers[self.namespace] = self
+        self._direct, self._tickets, self._direct_source = source._direct, source._tickets, source
+        try:
+            await self._add(TICKET_HANDLER, "unary", self._issue_tickets, TICKET_HANDLER_CONFIG, timeout, reserved=True)
+        except BaseException:
+            self._stop_sharing()
+            raise
+        return self._direct.advertised
+
+    def _stop_sharing(self) -> None:
+        source = self._direct_source
+        if source is not None and source._direct_sharers.get(self.namespace) is self:
+            del source._direct_sharers[self.namespace]
+        self._direct = self._tickets = self._direct_source = None
 
     @property
     def direct_address(self) -> tuple[str, int] | None:
@@ -251,8 +287,9 @@ class RPCServer:
         DeadlineExceededError only if handler code swallows its cancellation past ``timeout``.
         """
         deadline = now() + timeout
-        if self._direct is not None:
+        if self._direct is not None and self._owns_direct:
             self._direct.stop_accepting()
+        self._stop_sharing()  # tokens for this namespace now find no server
         try:
             for scope in list(self._scopes.values()):
                 try:
@@ -312,7 +349,7 @@ class RPCServer:
             count = parse_ticket_request(request.header)
         except ProtocolError as e:  # answered, not raised: a handler failure is logged as a warning
             return Message({"error": str(e)})
-        tokens, keys = tickets.issue(context.peer_id, count, now())
+        tokens, keys = tickets.issue(context.peer_id, count, now(), self.namespace)
         return Message(ticket_response(*listener.advertised, tickets.config.token_ttl, tokens, keys))
 
     async def _serve_direct(self, reader: DirectStream, writer: asyncio.StreamWriter) -> None:
@@ -333,18 +370,21 @@ class RPCServer:
         if accepted is None:
             writer.transport.abort()
             return
-        route, peer_id, writer = accepted
+        route, peer_id, writer, server = accepted
         if route is None or peer_id is None:  # refused, with an answer
             FramedStream(reader, writer, Limits()).close()  # flushes the REJECTED byte, aborts if stuck
             return
-        stream = FramedStream(reader, writer, route.config.limits, self.receive_budget.account(peer_id))
+        if server is not self and not server._adopt_current_task(writer):  # its shutdown must cancel the call
+            return
+        stream = FramedStream(reader, writer, route.config.limits, server.receive_budget.account(peer_id))
         sealed = not self._tickets.config.plaintext
-        await self._serve_adopted(route, peer_id, stream, "direct" if sealed else "direct-plaintext")
+        await server._serve_adopted(route, peer_id, stream, "direct" if sealed else "direct-plaintext")
 
     async def _accept_hello(
         self, reader: DirectStream, writer: asyncio.StreamWriter, tickets: TicketBook
-    ) -> tuple[Route | None, PeerID | None, asyncio.StreamWriter] | None:
-        """The route, authenticated caller and (sealing) writer of a new connection, after
+    ) -> tuple[Route | None, PeerID | None, asyncio.StreamWriter, RPCServer] | None:
+        """The route, authenticated caller, (sealing) writer and serving server (this one or one
+        sharing its listener, by the token's namespace) of a new connection, after
         acknowledging it; (None, ...) after a REJECTED answer (no such handler; an invalid token on
         a plaintext server); None, answering nothing, for anything else than a valid token whose
         first record authenticates under its key (an encrypted server cannot answer unauthenticated)."""
@@ -354,7 +394,7 @@ class RPCServer:
             if holder is None and tickets.config.plaintext:
                 self.direct_refusals += 1
                 writer.write(REJECTED)
-                return None, None, writer
+                return None, None, writer, self
             if holder is None:
                 raise AuthenticationError("invalid, used or expired token")
             if holder.key is not None:  # from here on, records under the key only that caller holds
@@ -365,14 +405,15 @@ class RPCServer:
             if isinstance(e, AuthenticationError):
                 self.direct_refusals += 1
             return None
-        route = self._routes.get(name)
-        if route is None or name == TICKET_HANDLER:
-            logger.debug(f"direct connection to {self.namespace} refused: no handler {name!r}")
+        server = self if holder.namespace == self.namespace else self._direct_sharers.get(holder.namespace)
+        route = server._routes.get(name) if server is not None else None
+        if server is None or route is None or name == TICKET_HANDLER:
+            logger.debug(f"direct connection to {holder.namespace} refused: no handler {name!r}")
             self.direct_refusals += 1
             writer.write(REJECTED)
-            return None, holder.peer_id, writer
+            return None, holder.peer_id, writer, self
         writer.write(ACCEPTED)
-        return route, holder.peer_id, writer
+        return route, holder.peer_id, writer, server
 
     async def _serve_adopted(self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Transport) -> None:
         route.active_calls += 1

@@ -120,8 +120,10 @@ class StateDonor:
       training changes them, e.g. the averager's); each download serves such a copy.
     :param signing_key: the RSA key the DHT signs this peer's records with (default: this DHT's,
       see :func:`~hivemind_ext.p2p.signing.default_signing_key`); the record goes under its owner subkey.
-    :param direct: also serve downloads over the direct data path with these settings (see
-      ``RPCServer.enable_direct``); None: over libp2p only.
+    :param direct: also serve downloads over the direct data path: with a listener of the donor's own
+      with these settings (a DirectConfig, see ``RPCServer.enable_direct``), or through the listener
+      (one port) of another server of this peer (an RPCServer, e.g. the averager's scope, see
+      ``RPCServer.share_direct``); None: over libp2p only.
     """
 
     def __init__(
@@ -137,7 +139,7 @@ class StateDonor:
         dht_calls: DHTCalls | None = None,
         state_lock: AbstractContextManager[Any] | None = None,
         signing_key: RSAPrivateKey | None = None,
-        direct: DirectConfig | None = None,
+        direct: DirectConfig | RPCServer | None = None,
     ) -> None:
         if not callable(get_state):
             raise ConfigurationError(f"get_state must be callable, got {type(get_state).__name__}")
@@ -193,7 +195,9 @@ class StateDonor:
         self._owner = await install_signing(
             self._dht_calls, self._signing_key, protected_keys=(donors_key(self.config.prefix),), timeout=timeout
         )
-        if self._direct is not None:
+        if isinstance(self._direct, RPCServer):
+            await self._server.share_direct(self._direct, timeout=timeout)
+        elif self._direct is not None:
             await self._server.enable_direct(self._direct, timeout=timeout)
         await self._server.add_stream(LOAD_STATE_HANDLER, self._serve_download, timeout=timeout)
         self.serving = True
