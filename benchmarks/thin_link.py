@@ -34,9 +34,10 @@ computed: a butterfly all-reduce of every float32 gradient, 2 (n - 1) / n x 4 by
 per step.
 
 Defaults: H = 25, 100 steps (4 outer rounds), 0.3 s of compute per step, 3 synchronous steps:
-about 8 minutes on the 2-core machine of benchmarks/RESULTS.md. ``--full``: H = 100, 400 steps
-(4 rounds of the issue's H; about 25 minutes). A configuration's figures are printed as soon as it
-ends; the JSON line comes last.
+7 configurations x 30 s of compute, plus blocking rounds (~13 s each for float16 DiLoCo), set-up
+and the in-process reference, sized for 10 minutes on a quiet 2-core machine (what the machine's
+load does to it: benchmarks/RESULTS.md). ``--full``: H = 100, 400 steps (4 rounds of the issue's H,
+about 4x as long). A configuration's figures are printed as soon as it ends; the JSON line comes last.
 
     sudo python benchmarks/thin_link.py
     sudo python benchmarks/thin_link.py --full
