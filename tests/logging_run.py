@@ -81,12 +81,15 @@ def marker(phase: str) -> None:
 
 def main(mode: str) -> None:
     first = new_peer()
-    second = new_peer(addresses(first))
     try:
         if mode == "phases":
             peers([first], "quiet", verbose=False)
             marker("quiet")
-            peers([first, second], "verbose", verbose=True)
+            second = new_peer(addresses(first))
+            try:
+                peers([first, second], "verbose", verbose=True)
+            finally:
+                second.shutdown()
             marker("verbose")
             logging.basicConfig(level=logging.INFO, format=ROOT_FORMAT)
             peers([first], "root-after", verbose=True)
@@ -98,7 +101,6 @@ def main(mode: str) -> None:
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     finally:
-        second.shutdown()
         first.shutdown()
 
 

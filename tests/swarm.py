@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,9 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 USE_UVLOOP = os.environ.get("HIVEMIND_EXT_TEST_LOOP", "asyncio") == "uvloop"
 
 T = TypeVar("T")
+# A call into a live local DHT process returns well within this; hivemind's own blocking calls have no
+# deadline and wait for ever on a DHT process that died (seen once: EAGAIN on its pipe killed it).
+DHT_CALL_SECONDS = 30.0
 
 
 def wait_for(
@@ -37,6 +41,32 @@ def wait_for(
     return value
 
 
+def within(what: str, call: Callable[..., T], /, *args: Any, seconds: float = DHT_CALL_SECONDS, **kwargs: Any) -> T:
+    """Returns ``call(*args, **kwargs)``, made in a daemon thread; fails the test if it has not returned
+    after ``seconds``.
+
+    For hivemind's blocking DHT calls (``store``, ``get``, ``add_validators``, ``get_visible_maddrs``)
+    in set-ups: a DHT process that died makes them wait for ever, and the test should fail naming
+    ``what`` it waited for instead (the abandoned thread stays blocked; it is a daemon)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call(*args, **kwargs)))
+        except BaseException as e:  # handed to the caller's thread, raised there
+            outcome.append((False, e))
+
+    thread = threading.Thread(target=run, daemon=True, name=f"within: {what}")
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        raise AssertionError(f"{what} did not return within {seconds} s (did a DHT process die?)")
+    returned, value = outcome[0]
+    if not returned:
+        raise value
+    return value
+
+
 def new_test_loop() -> asyncio.AbstractEventLoop:
     """A new event loop of the kind the test run asks for (asyncio unless HIVEMIND_EXT_TEST_LOOP=uvloop)."""
     if USE_UVLOOP:
@@ -51,10 +81,10 @@ def wait_until_connected(dhts: Sequence[hivemind.DHT], timeout: float = 30.0) ->
     separate DHTs (hivemind issue 624), which would make multi-peer tests fail for the wrong reason."""
     key = f"swarm-check-{secrets.token_hex(4)}"
     for index, dht in enumerate(dhts):
-        assert dht.store(key, index, get_dht_time() + 120, subkey=index)
+        assert within("a DHT store", dht.store, key, index, get_dht_time() + 120, subkey=index)
 
     def sees_everyone(dht: hivemind.DHT) -> bool:
-        found = dht.get(key, latest=True)
+        found = within("a DHT get", dht.get, key, latest=True)
         return found is not None and len(found.value) == len(dhts)
 
     give_up = time.monotonic() + timeout
@@ -69,15 +99,25 @@ def wait_until_connected(dhts: Sequence[hivemind.DHT], timeout: float = 30.0) ->
 
 def new_peer(initial_peers: Sequence[str] = (), client_mode: bool = False, **dht_kwargs: Any) -> hivemind.DHT:
     """One started DHT peer listening on 127.0.0.1 only, bootstrapped from ``initial_peers`` (multiaddrs);
-    ``dht_kwargs`` go to :class:`hivemind.DHT` as they are (e.g. ``await_ready=False``)."""
-    return hivemind.DHT(
-        start=True, host_maddrs=LOOPBACK, initial_peers=list(initial_peers), client_mode=client_mode, **dht_kwargs
+    ``dht_kwargs`` go to :class:`hivemind.DHT` as they are (e.g. ``await_ready=False``: the caller
+    waits for it to be ready; by default it waits here, at most ``DHT_CALL_SECONDS``)."""
+    await_ready = dht_kwargs.pop("await_ready", True)
+    dht = hivemind.DHT(
+        start=True,
+        host_maddrs=LOOPBACK,
+        initial_peers=list(initial_peers),
+        client_mode=client_mode,
+        await_ready=False,
+        **dht_kwargs,
     )
+    if await_ready:
+        dht.wait_until_ready(timeout=DHT_CALL_SECONDS)
+    return dht
 
 
 def addresses(dht: hivemind.DHT) -> list[str]:
     """The multiaddrs other peers bootstrap from to join ``dht``'s swarm."""
-    return [str(maddr) for maddr in dht.get_visible_maddrs()]
+    return [str(maddr) for maddr in within("the DHT's addresses", dht.get_visible_maddrs)]
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from prometheus_client.parser import text_string_to_metric_families
-from swarm import addresses, local_swarm, wait_for
+from swarm import addresses, local_swarm, wait_for, within
 
 import hivemind_ext
 from hivemind_ext.errors import ProtocolError
@@ -267,7 +267,8 @@ def write_garbage(dht: Any, run_id: str) -> int:
     forged = metrics_value(record(epoch=999, role="trainer"))
     signed_garbage = {**forged, "peer_id": "x" * 20_000, "samples_per_second": math.nan}
     validator = RSASignatureValidator(RSAPrivateKey())
-    dht.add_validators([validator])  # its first: it signs records under its owner subkey
+    # its first: it signs records under its owner subkey
+    within("adding the hostile peer's validator", dht.add_validators, [validator])
     entries = [
         (validator.local_public_key, signed_garbage),  # signed by its writer, but malformed
         (b"forged", forged),  # well-formed, but under no owner: nothing vouches for it
@@ -275,7 +276,7 @@ def write_garbage(dht: Any, run_id: str) -> int:
         (b"seven", [math.nan]),
     ]
     for subkey, value in entries:
-        assert dht.store(key, value, expiration, subkey=subkey), subkey
+        assert within("a hostile store", dht.store, key, value, expiration, subkey=subkey), subkey
     return len(entries)
 
 

@@ -30,7 +30,7 @@ from hivemind_ext import Optimizer
 from hivemind_ext.optim.progress import LocalTrainingProgress, parse_progress_records
 from hivemind_ext.optim.progress_rules import SAMPLE_FACTOR
 
-NUM_HONEST, TARGET, BATCH, TARGET_EPOCH = 3, 96, 4, 4
+NUM_HONEST, TARGET, BATCH, TARGET_EPOCH = 3, 96, 4, 3
 HOSTILE_KEY = RSAPrivateKey()
 
 
@@ -107,7 +107,7 @@ def train_under_attack(dhts: list[hivemind.DHT], name: str) -> tuple[SwarmRun, H
                 target_batch_size=TARGET,
                 optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
                 scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch)),
-                matchmaking_time=2.0,
+                matchmaking_time=1.0,
                 averaging_timeout=10.0,
                 tracker_opts=dict(FAST_TRACKER),
                 shutdown_timeout=2.0,

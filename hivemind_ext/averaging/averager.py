@@ -91,6 +91,10 @@ class RoundReport:
     missing: dict[str, str] = dataclasses.field(default_factory=dict)  # contributing members left out, why
     part_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # values each owner reduced
     receive_rate: float | None = None  # bytes/s this peer received at (None: too little data to tell)
+    # the round's duration predicted from the members' declared throughputs (None: nobody declared
+    # one), and how long it was allowed to take (allreduce_timeout, or 3x the prediction if longer)
+    predicted_seconds: float | None = None
+    timeout_seconds: float | None = None
     # groupmate -> the path this peer's streams to it took: "direct" (encrypted), "direct-plaintext" or
     # "libp2p"; groupmates it opened no stream to (client-mode peers own no part) are not listed
     transports: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -121,7 +125,9 @@ class DecentralizedAverager:
     :param averaging_alpha: step size toward the average (1.0 = replace by the average)
     :param part_size_bytes: all-reduce chunk size: parts are streamed and reduced in chunks of this size
       (default 2 MiB, larger than hivemind's 512 KiB: fewer, larger frames measured 20-30% faster)
-    :param allreduce_timeout: an all-reduce round gives up on missing peers after this many seconds
+    :param allreduce_timeout: an all-reduce round gives up on missing peers after this many seconds,
+      or after 3x its duration predicted from the group's measured throughputs where that is longer
+      (``last_round.predicted_seconds`` / ``timeout_seconds``; see ``allreduce/round_time.py``)
     :param next_chunk_timeout: a peer whose stream moves no byte for this long while one is due is
       excluded from the round's part (an idle window: a slow link that keeps moving is waited for, up
       to ``allreduce_timeout``; see ``AllreduceConfig.next_chunk_timeout``). A round that leaves anyone
@@ -712,6 +718,8 @@ class DecentralizedAverager:
             missing={str(peer): reason for peer, reason in result.missing.items()},
             part_sizes={str(part.owner): part.end - part.start for part in result.parts},
             receive_rate=result.receive_rate,
+            predicted_seconds=result.predicted_seconds,
+            timeout_seconds=result.timeout_seconds,
             **self._transports_since(opened_after),
         )
         self.throughput.update(result.receive_rate)

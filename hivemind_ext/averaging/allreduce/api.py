@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from hivemind.p2p import PeerID
@@ -51,7 +51,12 @@ class AllreduceConfig:
       keyword, which there bounds each chunk's whole transfer, has this meaning here); the round's
       ``allreduce_timeout`` bounds everything. ``None``: the default (5 s)
     :param allreduce_timeout: the whole round ends within this many seconds (plus a small margin)
-      of its start, whatever other peers do; ``None``: the default (60 s)
+      of its start, whatever other peers do; ``None``: the default (60 s). With ``adaptive_deadline``
+      this is the floor: a round predicted to take longer gets a multiple of its prediction
+    :param adaptive_deadline: lengthen the round's deadline (and ``collect_timeout`` in proportion)
+      to 3x its duration predicted from the members' declared throughputs where that exceeds
+      ``allreduce_timeout``, up to an hour (see :mod:`.round_time`); stalls are still cut by
+      ``next_chunk_timeout``. ``False``: ``allreduce_timeout`` is a fixed bound
     :param collect_timeout: owners stop waiting for slow senders this many seconds after the start
       and average what arrived, leaving the rest of ``allreduce_timeout`` to send the results back;
       ``None``: 3/4 of ``allreduce_timeout``
@@ -73,6 +78,7 @@ class AllreduceConfig:
     next_chunk_timeout: float | None = None
     allreduce_timeout: float | None = None
     collect_timeout: float | None = None
+    adaptive_deadline: bool = True
     offload_codecs: bool = False
     aggregator: Aggregator = dataclasses.field(default_factory=WeightedMean)
     norm_bound: float | None = DEFAULT_NORM_BOUND
@@ -91,6 +97,8 @@ class AllreduceConfig:
                 f"collect_timeout ({self.collect_timeout}) must be shorter than allreduce_timeout "
                 f"({self.allreduce_timeout}): owners need time to send the results back"
             )
+        if not isinstance(self.adaptive_deadline, bool):
+            raise ConfigurationError(f"adaptive_deadline must be a bool, got {self.adaptive_deadline!r}")
         if not isinstance(self.offload_codecs, bool):
             raise ConfigurationError(f"offload_codecs must be a bool, got {self.offload_codecs!r}")
         object.__setattr__(self, "aggregator", check_aggregator(self.aggregator))
@@ -141,13 +149,26 @@ class RoundHooks:
         return message
 
 
+class ContributorRun(NamedTuple):
+    """A range ``[start, end)`` of the flattened tensors (consecutive chunks of one part) and the
+    peers whose values its average holds."""
+
+    start: int
+    end: int
+    contributors: tuple[PeerID, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class PartOutcome:
     """What became of one part, from this peer's point of view.
 
-    ``averaged`` parts hold the weighted mean over ``contributors``. A part that was not averaged
-    (its owner failed, refused or was too slow) holds this peer's own values, and ``contributors``
-    is just this peer (or empty on an auxiliary peer, which has no values of its own).
+    ``averaged`` parts hold the weighted mean over ``contributors`` everywhere, except where
+    ``runs`` says otherwise: owners average and return each chunk as soon as it is complete, so a
+    sender that drops out mid-part is in the chunks averaged before and missing from the rest, and
+    ``runs`` then lists every range with its own contributors (``contributors`` are the peers in
+    all of them). A part that was not averaged (its owner failed, refused or was too slow) holds
+    this peer's own values, and ``contributors`` is just this peer (or empty on an auxiliary peer,
+    which has no values of its own).
     """
 
     owner: PeerID
@@ -156,6 +177,13 @@ class PartOutcome:
     averaged: bool
     contributors: tuple[PeerID, ...]
     reason: str | None = None  # why the part was not averaged
+    runs: tuple[ContributorRun, ...] = ()  # empty: ``contributors`` everywhere in the part
+
+    @property
+    def segments(self) -> tuple[ContributorRun, ...]:
+        """The part as ranges, each with the peers whose values it holds (one range unless a
+        contributor dropped out mid-part)."""
+        return self.runs or (ContributorRun(self.start, self.end, self.contributors),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +203,10 @@ class AllreduceResult:
       whose values a complete round averages (see :attr:`missing`)
     :param receive_rate: bytes/s at which this peer received during the round, what its
       throughput estimate learns from (see :mod:`.throughput`); None if the round moved too little
+    :param predicted_seconds: the round's duration predicted from the members' declared throughputs
+      (see :mod:`.round_time`); None where nobody declared one
+    :param timeout_seconds: how long the round was allowed to take (``allreduce_timeout``, or the
+      longer deadline the prediction set)
     """
 
     tensors: list[torch.Tensor]
@@ -185,6 +217,8 @@ class AllreduceResult:
     bytes_received: int
     members: tuple[PeerID, ...] = ()
     receive_rate: float | None = None
+    predicted_seconds: float | None = None
+    timeout_seconds: float | None = None
 
     @property
     def contributors(self) -> tuple[tuple[PeerID, ...], ...]:
@@ -211,6 +245,8 @@ class AllreduceResult:
                     continue
                 if member in self.excluded:
                     missing[member] = self.excluded[member]
+                elif any(member in run.contributors for run in part.runs):
+                    missing[member] = f"its values are in only some chunks of part {part.start}:{part.end}"
                 elif not part.averaged:
                     missing[member] = f"part {part.start}:{part.end} kept local values: {part.reason or 'not averaged'}"
                 else:

@@ -28,9 +28,11 @@ stream per (sender, owner) pair, which then carries the average back (:mod:`.wir
 
 Pipelining: a member sends to all owners at once; an owner reduces each chunk as it arrives
 (decode straight from the received buffer, validate, weighted add), its own slice included
-without the network; once every sender is done or excluded it compresses the average once, and
-every sender's handler streams the chunks back as soon as each is compressed, while senders
-decode them straight into the output tensors as they arrive. No copy is made that the codec does
+without the network; as soon as every sender still in the part has delivered chunk i, it
+compresses chunk i of the average once and every sender's handler streams it back, while the
+next chunks are still arriving (so the owner's uplink works while its downlink does, as with
+hivemind's reducers); senders decode the averaged chunks straight into the output tensors as they
+arrive. No copy is made that the codec does
 not need: NoCompression chunks go out from the caller's tensors and are reduced from the received
 bytes. ``AllreduceConfig.offload_codecs`` moves codec work to worker threads (see there why it is
 off by default).
@@ -49,9 +51,11 @@ Faults (see :mod:`.owner` and :mod:`.sender`): a sender that does not join
 within ``next_chunk_timeout`` of the round's start, sends no byte for ``next_chunk_timeout`` while
 a chunk is due (an idle window: a chunk that keeps coming, however slowly, is waited for), is still
 sending at ``collect_timeout``, breaks the protocol or sends invalid values (wrong shape or dtype,
-undecodable, oversized, NaN / Inf) is excluded from that part and what it added is retracted: the
-part is the exact weighted mean over the senders that delivered all of it, and the result names
-them (``AllreduceResult.missing`` / ``complete`` say whether the whole group is in every part).
+undecodable, oversized, NaN / Inf) is excluded from that part and retracted from every chunk not
+averaged yet: each chunk is the exact weighted mean over the senders it names (a sender that drops
+out mid-part stays in the chunks already sent back; ``PartOutcome.runs`` lists them), and the
+result says who is missing where (``AllreduceResult.missing`` / ``complete`` say whether the whole
+group is in every part).
 A sender whose owner fails keeps its own values for that part. Every wait is bounded by the
 round's deadline (``allreduce_timeout`` from the start, or the caller's ``deadline`` if earlier),
 so a round returns by then plus a fraction of a second, whatever the other members do. Only
@@ -88,6 +92,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import random
@@ -111,6 +116,7 @@ from hivemind_ext.averaging.allreduce.layout import (
     plan_layout,
 )
 from hivemind_ext.averaging.allreduce.round_state import CodecRunner, RoundContext, RoundTensors
+from hivemind_ext.averaging.allreduce.round_time import MAX_ROUND_SECONDS, predict_round_seconds, round_timeout
 from hivemind_ext.averaging.allreduce.run import MAX_GATHER_BYTES, RoundRun
 from hivemind_ext.averaging.allreduce.wire import (
     HANDLER_NAME,
@@ -145,7 +151,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_ROUND_WAIT_TIMEOUT = 5.0
 FIRST_MESSAGE_TIMEOUT = 10.0
-MAX_ROUND_SECONDS = 3600.0  # the handler serves one stream for at most this long
+
 REFUSAL_DELAY = 0.5  # a stream refused a wait for its round is answered after 1-2x this long
 FINISHED_GROUPS_KEPT = 256
 
@@ -157,7 +163,6 @@ __all__ = [
     "PartOutcome",
     "RoundHooks",
 ]
-
 
 class AllreduceService:
     """Runs all-reduce rounds for one peer and serves the parts it owns.
@@ -267,7 +272,11 @@ class AllreduceService:
         round_ = RoundRun(context, self.rpc_client)
         self._register(round_)
         try:
-            return await round_.run()
+            result = await round_.run()
+            predicted = predict_round_seconds(context.layout, group.members)
+            return dataclasses.replace(
+                result, predicted_seconds=predicted, timeout_seconds=context.config.allreduce_timeout
+            )
         finally:
             self._unregister(round_)
             await round_.close()
@@ -308,6 +317,8 @@ class AllreduceService:
                 layout = plan_layout(specs, member_roles(group.members), config.part_size_bytes)
             except ConfigurationError as e:
                 raise AllreduceError(f"group {group.group_id.hex()} cannot run: {e}") from e
+        if config.adaptive_deadline:
+            config = _with_round_timeout(config, predict_round_seconds(layout, group.members))
         return RoundContext(
             group_id=group.group_id,
             members=group.members,
@@ -408,6 +419,14 @@ class AllreduceService:
                     if not arrival.is_set():
                         self._arrivals.pop(group_id, None)
 
+def _with_round_timeout(config: AllreduceConfig, predicted: float | None) -> AllreduceConfig:
+    """``config`` with the whole-round deadline the prediction sets (see :mod:`.round_time`), and the
+    owners' collect deadline stretched in proportion."""
+    seconds = round_timeout(predicted, config.allreduce_timeout)
+    if seconds <= config.allreduce_timeout:
+        return config
+    scale = seconds / config.allreduce_timeout
+    return dataclasses.replace(config, allreduce_timeout=seconds, collect_timeout=config.collect_timeout * scale)
 
 def _my_index(group: GroupInfo, peer_id: PeerID) -> int:
     names = [member.peer_id for member in group.members]
@@ -417,7 +436,6 @@ def _my_index(group: GroupInfo, peer_id: PeerID) -> int:
         return group.index_of(peer_id)
     except ValueError as e:
         raise AllreduceError(str(e)) from None
-
 
 def _checked_infos(infos: Sequence[CompressionInfo] | None, count: int) -> Sequence[CompressionInfo] | None:
     if infos is None:
