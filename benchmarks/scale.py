@@ -275,7 +275,7 @@ def run_real(case: RealCase) -> tuple[list[dict], list[dict], float]:
     startup = 0.0
 
     def receive() -> None:
-        row = results.get(timeout=STEP_TIMEOUT + 120)
+        row = results.get(timeout=STEP_TIMEOUT + 60)
         if row["round"] == -2:
             raise RuntimeError(f"{case.impl} host of peer {row['index']} failed:\n{row['error']}")
         if row["round"] == -1:
@@ -293,6 +293,10 @@ def run_real(case: RealCase) -> tuple[list[dict], list[dict], float]:
             print(f"  {case.impl} round {round_index}: {describe_round(rows, round_index)}", flush=True)
         while len(memory) < len(hosts):
             receive()
+    except threading.BrokenBarrierError:  # a host failed and broke the barrier: its error is queued
+        for _ in range(len(hosts)):
+            receive()  # raises the host's error
+        raise
     finally:
         barrier.abort()
         for process in processes:
