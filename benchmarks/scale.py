@@ -155,17 +155,18 @@ def start_peer(index: int, case: RealCase, initial: list[str], host: Any) -> tup
     from hosted_dht import CountingDHT, DHTCounters, HostedDHT, wait_created
 
     counters = DHTCounters()
-    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    # both libraries' daemons get 60 s to start (hivemind's default of 15 s fails at 64 peers under load)
+    loopback = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=60)
     if case.impl == "ours":
         from hivemind_ext.averaging import DecentralizedAverager
 
-        dht = wait_created(lambda: HostedDHT(host, initial, counters=counters, host_maddrs=loopback))
+        dht = wait_created(lambda: HostedDHT(host, initial, counters=counters, **loopback))
         bits = ""
     else:
         from hivemind.averaging import DecentralizedAverager
 
         dht = wait_created(
-            lambda: CountingDHT(initial_peers=initial, counters=counters, host_maddrs=loopback, start=True)
+            lambda: CountingDHT(initial_peers=initial, counters=counters, start=True, **loopback)
         )
         bits = hivemind_grid_bits(index, case)
     averager = DecentralizedAverager(
@@ -374,7 +375,7 @@ def real_results(case_of: Any, args: argparse.Namespace, sizes: list[int]) -> di
     """Ours and (unless --no-hivemind) hivemind for each swarm size, one after the other."""
     measured = {}
     for peers in sizes:
-        ours = measure_real(case_of("ours", peers))
+        ours = None if args.no_ours else measure_real(case_of("ours", peers))
         theirs = None if args.no_hivemind else measure_real(case_of("hivemind", peers))
         measured[peers] = (ours, theirs)
     return measured
@@ -563,6 +564,7 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=5.0)
     parser.add_argument("--sim-peers", type=int, default=1000)
     parser.add_argument("--no-hivemind", action="store_true")
+    parser.add_argument("--no-ours", action="store_true", help="hivemind's real peers only (no JSON rows for them)")
     parser.add_argument("--no-real", action="store_true", help="only the simulation")
     parser.add_argument("--no-sim", action="store_true", help="only the real peers")
     args = parser.parse_args()
