@@ -49,7 +49,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Digits, Result, describe_machine, emit, higher_is_better, load_digits, lower_is_better
+from common import Digits, Result, digits_mlp, emit, higher_is_better, load_digits, lower_is_better, start
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
@@ -62,14 +62,7 @@ HIDDEN = 512
 
 
 def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)  # every peer, every case: the same initial parameters
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, 10),
-    )
+    return digits_mlp(HIDDEN, seed=0)  # every peer, every case: the same initial parameters
 
 
 class BatchStream:
@@ -404,13 +397,11 @@ def main() -> None:
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument("--case-timeout", type=float, default=150.0)
     parser.add_argument("--no-hivemind", action="store_true", help="skip hivemind.Optimizer's sync row")
-    args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
+    args = start(parser)
     logging.getLogger("hivemind").setLevel(logging.WARNING)
     # a DHT process logs a FileNotFoundError traceback when a hivemind averager that shared its
     # daemon has shut down (harmless here; the DHTs outlive hivemind's optimizers)
     logging.getLogger("hivemind.dht.dht").setLevel(logging.CRITICAL)
-    print(f"machine: {describe_machine()}")
     data = load_digits()
     params = sum(p.numel() for p in make_model().parameters())
     target = args.peers * args.batch * args.steps_per_epoch

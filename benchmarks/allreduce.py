@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit
+from common import Result, butterfly_bytes, emit, start
 
 from hivemind_ext.averaging.allreduce.service import DEFAULT_PART_SIZE_BYTES
 
@@ -201,11 +201,10 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2, help="codec worker threads per peer")
     parser.add_argument("--offload", action="store_true", help="run codec work in worker threads")
-    args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
-    print(f"machine: {describe_machine()}; mode {args.mode}, {args.peers} peers x {args.size} float32")
+    args = start(parser)
+    print(f"mode {args.mode}, {args.peers} peers x {args.size} float32")
     numel = SIZES[args.size]
-    minimum = 2 * (args.peers - 1) / args.peers * numel * 4
+    minimum = butterfly_bytes(args.peers, numel)
     results: list[Result] = []
     for part_size in args.part_size:
         for codec in args.codecs:

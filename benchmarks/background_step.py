@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, higher_is_better, lower_is_better
+from common import Result, emit, higher_is_better, lower_is_better, start
 
 from hivemind_ext.optim.training_state import TrainingState
 
@@ -220,9 +220,7 @@ def main() -> None:
         help="the background worker's threads: torch's default, 1 OpenMP thread for the worker only, or "
         "torch.set_num_threads(1) in the worker (see limit_worker_threads)",
     )
-    args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
-    print(f"machine: {describe_machine()}")
+    args = start(parser)
     model = make_model(args.width, args.depth, args.features)
     params = sum(p.numel() for p in model.parameters())
     trainer = Trainer(model, args.batch, args.features)

@@ -7,12 +7,16 @@ where ``speedup`` > 1 means hivemind_ext is better.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy
 import torch
@@ -69,6 +73,45 @@ def describe_machine() -> str:
     )
 
 
+def start(parser: argparse.ArgumentParser, detail: str = "") -> argparse.Namespace:
+    """Parses the command line, makes stdout line-buffered (progress shows at once when piped to a log)
+    and prints the machine line, with the load average beside it (every figure here is noisy) and
+    ``detail`` after it."""
+    args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)
+    print(f"machine: {describe_machine()}; load {os.getloadavg()[0]:.1f}{detail}")
+    return args
+
+
+def butterfly_bytes(peers: int, numel: int) -> float:
+    """Bytes each peer must send (and receive) in a butterfly all-reduce of ``numel`` float32 values:
+    its slice of every other peer's part, then the other peers' slices of its average."""
+    return 2 * (peers - 1) / peers * numel * 4
+
+
+# ----- one averaging group of a given size (group_formation.py, robust.py)
+
+
+def full_group_averager(impl: str, tensors: list[torch.Tensor], dht: Any, prefix: str, peers: int, **extra: Any) -> Any:
+    """hivemind's DecentralizedAverager (``impl == "hivemind"``) or ours, started, that averages only in a
+    group of all ``peers`` (waiting up to 30 s for it); ``extra`` goes to ours only (e.g. ``aggregator``)."""
+    settings: dict[str, Any] = dict(
+        prefix=prefix,
+        target_group_size=peers,
+        min_group_size=peers,
+        min_matchmaking_time=30.0,
+        request_timeout=3.0,
+        start=True,
+    )
+    if impl == "hivemind":
+        from hivemind.averaging import DecentralizedAverager as HivemindAverager
+
+        return HivemindAverager(tensors, dht, **settings)
+    from hivemind_ext.averaging import DecentralizedAverager
+
+    return DecentralizedAverager(tensors, dht, **settings, **extra)
+
+
 def emit(benchmark: str, results: list[Result]) -> None:
     """Prints the closing JSON line of the output contract."""
     print(json.dumps({"benchmark": benchmark, "results": [asdict(r) for r in results]}), flush=True)
@@ -83,6 +126,18 @@ class Digits:
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
+
+
+def digits_mlp(hidden: int, seed: int = 0) -> torch.nn.Module:
+    """The digits classifier: 64 pixels -> two hidden ReLU layers -> 10 classes; one seed, one initialisation."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
 
 
 def load_digits() -> Digits:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, higher_is_better, lower_is_better, median_seconds
+from common import Result, emit, higher_is_better, lower_is_better, median_seconds, start
 
 import hivemind_ext.compression as ours
 
@@ -235,10 +235,8 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=0.5, help="CPU: least time of each side per case")
     parser.add_argument("--min-calls", type=int, default=5, help="CPU: least calls of each side per case")
     parser.add_argument("--statistic", default="min", choices=["min", "median"], help="CPU: of the calls' times")
-    args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
+    args = start(parser)
     cases = [c for c in CASES if c.name in args.codecs]
-    print(f"machine: {describe_machine()}", flush=True)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             parser.error("--device cuda needs a CUDA device")

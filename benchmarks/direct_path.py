@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, higher_is_better
+from common import Result, emit, higher_is_better, start
 
 MB = 1024 * 1024
 MESSAGE = 2 * MB
@@ -133,9 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=512, help="megabytes per transfer")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
-    print(f"machine: {describe_machine()}")
+    args = start(parser)
     context = mp.get_context("spawn")
     ours, theirs = context.Pipe()
     server = context.Process(target=serve, args=(theirs,))

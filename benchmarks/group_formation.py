@@ -26,7 +26,7 @@ import hivemind
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, lower_is_better
+from common import Result, emit, full_group_averager, lower_is_better, start
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 STEP_TIMEOUT = 60.0
@@ -42,19 +42,7 @@ def start_swarm(peers: int) -> list[Any]:
 
 
 def make_averager(impl: str, dht: Any, prefix: str, peers: int) -> Any:
-    settings = dict(
-        prefix=prefix,
-        target_group_size=peers,
-        min_group_size=peers,
-        min_matchmaking_time=30.0,
-        request_timeout=3.0,
-        start=True,
-    )
-    if impl == "hivemind":
-        from hivemind.averaging import DecentralizedAverager
-    else:
-        from hivemind_ext.averaging import DecentralizedAverager
-    return DecentralizedAverager([torch.randn(SIZE)], dht, **settings)
+    return full_group_averager(impl, [torch.randn(SIZE)], dht, prefix, peers)
 
 
 def run(impl: str, peers: int, rounds: int) -> tuple[list[float], list[float]]:
@@ -87,9 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--rounds", type=int, default=8)
-    args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
-    print(f"machine: {describe_machine()}")
+    args = start(parser)
     results: list[Result] = []
     for peers in args.peers:
         hm_times, _ = run("hivemind", peers, args.rounds)

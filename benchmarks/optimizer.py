@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, higher_is_better, lower_is_better
+from common import Result, emit, higher_is_better, lower_is_better, start
 
 from hivemind_ext.demo.data import load_data
 from hivemind_ext.demo.display import ProgressDisplay
@@ -152,11 +152,9 @@ def main() -> None:
         help="per implementation: give up on peers not at epoch E this many s after the start (default: 180)",
     )
     parser.add_argument("--seed", type=int, default=0, help="data split, shards, batch sizes, compute times")
-    args = parser.parse_args()
+    args = start(parser)
     if not 0 <= args.clients < args.peers:
         parser.error("need 0 <= --clients < --peers (the first peer is the bootstrap)")
-    sys.stdout.reconfigure(line_buffering=True)
-    print(f"machine: {describe_machine()}")
     low, high = args.batch_size
     case = (
         f"{args.peers} peers ({args.clients} client mode), batch {low}-{high}, "

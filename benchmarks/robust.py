@@ -66,7 +66,16 @@ import hivemind
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Digits, Result, describe_machine, emit, load_digits, lower_is_better
+from common import (
+    Digits,
+    Result,
+    describe_machine,
+    digits_mlp,
+    emit,
+    full_group_averager,
+    load_digits,
+    lower_is_better,
+)
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 PEERS = 8
@@ -84,14 +93,7 @@ AGGREGATORS = ("plain", "centered_clip", "trimmed_mean")
 
 
 def make_model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)  # every peer and every aggregator of one seed: the same initial parameters
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, 10),
-    )
+    return digits_mlp(HIDDEN, seed)  # every peer and every aggregator of one seed: the same initial parameters
 
 
 def batch_of(data: Digits, peer: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,21 +371,8 @@ def network_run(
 
 
 def _averager(impl: str, tensors: list[torch.Tensor], dht: Any, prefix: str, aggregator: Any) -> Any:
-    common = dict(
-        prefix=prefix,
-        target_group_size=PEERS,
-        min_group_size=PEERS,
-        min_matchmaking_time=30.0,
-        request_timeout=3.0,
-        start=True,
-    )
-    if impl == "hivemind":
-        from hivemind.averaging import DecentralizedAverager as HivemindAverager
-
-        return HivemindAverager(tensors, dht, **common)
-    from hivemind_ext.averaging import DecentralizedAverager
-
-    return DecentralizedAverager(tensors, dht, aggregator=aggregator, **common)
+    extra = {} if impl == "hivemind" else dict(aggregator=aggregator)
+    return full_group_averager(impl, tensors, dht, prefix, PEERS, **extra)
 
 
 def _finished(control: Any) -> bool:

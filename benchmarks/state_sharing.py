@@ -29,7 +29,7 @@ import hivemind
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, describe_machine, emit, lower_is_better
+from common import Result, emit, lower_is_better, start
 
 SIZES = {"1M": 2**20, "4M": 2**22, "16M": 2**24, "64M": 2**26}
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -158,10 +158,9 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="16M", help="float32 values in the state")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--codecs", nargs="+", choices=["none", "float16"], default=["none", "float16"])
-    args = parser.parse_args()
+    args = start(parser)
     tensor = torch.randn(SIZES[args.size])
     megabytes = tensor.nbytes / 2**20
-    print(f"machine: {describe_machine()}")
     print(f"state: {megabytes:.0f} MiB of float32, {args.repeats} timed downloads after a warm-up")
     results = compare(args, tensor)
     emit("state_sharing", results)

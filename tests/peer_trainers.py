@@ -68,6 +68,7 @@ class Trainer:
     seed: int
     step_seconds: list[float] = field(default_factory=list)
     history: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # epoch -> params when first reached
+    latest: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # epoch -> params after its last step
     error: BaseException | None = None
 
     @property
@@ -75,7 +76,9 @@ class Trainer:
         return len(self.step_seconds)
 
     def record(self) -> None:
-        self.history.setdefault(self.opt.local_epoch, params_of(self.model))
+        params = params_of(self.model)
+        self.history.setdefault(self.opt.local_epoch, params)
+        self.latest[self.opt.local_epoch] = params  # differs from history after a state download in the epoch
 
     def step_once(self, generator: torch.Generator) -> None:
         x = torch.randn(BATCH_SIZE, 16, generator=generator)

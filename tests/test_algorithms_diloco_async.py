@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import hivemind
 import pytest
 import torch
-from optim_swarm import signing_key
+from diloco_peers import (
+    BATCH,
+    MATCHMAKING_TIME,
+    FailOneRound,
+    LateJoinSwarm,
+    batch,
+    linear_model,
+    make_optimizer,
+    run_peers,
+    test_loss,
+    train_step,
+)
 from swarm import local_swarm, new_peer, wait_for
 
 from hivemind_ext import Optimizer
@@ -25,90 +35,6 @@ from hivemind_ext.optim.algorithms import (
     DiLoCoImpl,
 )
 from hivemind_ext.optim.algorithms.diloco import round_offset
-from hivemind_ext.optim.rounds import RoundHooks
-
-FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
-MATCHMAKING_TIME = 0.3
-AVERAGING_TIMEOUT = 5.0
-FEATURES = 8
-BATCH = 16
-W_TRUE = torch.linspace(-1.0, 1.0, FEATURES).unsqueeze(1)
-NOISE = 0.1  # the loss floor is NOISE**2 = 0.01
-
-
-def make_optimizer(
-    dht: hivemind.DHT,
-    params: Sequence[torch.nn.Parameter],
-    run_id: str,
-    algorithm: Algorithm | None,
-    *,
-    lr: float = 0.1,
-    target_batch_size: int = 10_000,
-    round_hooks: RoundHooks | None = None,
-) -> Optimizer:
-    return Optimizer(
-        dht=dht,
-        run_id=run_id,
-        target_batch_size=target_batch_size,
-        batch_size_per_step=BATCH,
-        optimizer=lambda p: torch.optim.SGD(p, lr=lr),
-        params=list(params),
-        matchmaking_time=MATCHMAKING_TIME,
-        averaging_timeout=AVERAGING_TIMEOUT,
-        offload_optimizer=False,
-        shutdown_timeout=2.0,
-        # one tracker key per peer: in one process every DHT shares hivemind's process-wide key
-        tracker_opts={**FAST_TRACKER, "private_key": signing_key(dht)},
-        algorithm=algorithm,
-        round_hooks=round_hooks,
-    )
-
-
-def linear_model(seed: int = 0) -> torch.nn.Linear:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(FEATURES, 1)
-
-
-def batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(BATCH, FEATURES, generator=generator)
-    return x, x @ W_TRUE + NOISE * torch.randn(BATCH, 1, generator=generator)
-
-
-def test_loss(model: torch.nn.Module) -> float:
-    generator = torch.Generator().manual_seed(12345)
-    x = torch.randn(2048, FEATURES, generator=generator)
-    y = x @ W_TRUE + NOISE * torch.randn(2048, 1, generator=generator)
-    with torch.no_grad():
-        return float(torch.nn.functional.mse_loss(model(x), y))
-
-
-test_loss.__test__ = False  # a helper, not a test
-
-
-def train_step(model: torch.nn.Module, opt: Optimizer, generator: torch.Generator) -> None:
-    x, y = batch(generator)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def run_peers(worker: Callable[[int], None], count: int, timeout: float = 90.0) -> None:
-    errors: list[BaseException] = []
-
-    def wrapped(index: int) -> None:
-        try:
-            worker(index)
-        except BaseException as e:  # re-raised in the test thread below
-            errors.append(e)
-
-    threads = [threading.Thread(target=wrapped, args=(i,), daemon=True) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a peer's training loop hung"
-    if errors:
-        raise errors[0]
 
 
 @pytest.fixture
@@ -434,18 +360,6 @@ def test_dead_peer_does_not_stop_the_others(algorithm_name):
     assert elapsed < 80
 
 
-class FailOneRound(RoundHooks):
-    """The round driver's seam: this peer's ``index``-th round (from 0) fails as if it timed out."""
-
-    def __init__(self, index: int) -> None:
-        self.index, self.rounds = index, 0
-
-    def before_round(self, control: Any, *, watch_swarm: bool) -> None:
-        self.rounds += 1
-        if self.rounds == self.index + 1:
-            raise TimeoutError("injected: the round did not finish before its deadline")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_diloco_peers_average_again_after_a_round_failed_for_all_of_them():
@@ -504,23 +418,18 @@ def test_diloco_peers_average_again_after_a_round_failed_for_all_of_them():
 @pytest.mark.timeout(120)
 def test_diloco_late_joiner_loads_state_and_contributes_from_next_round():
     inner_steps, final_round = 5, 9
-    with local_swarm(4) as dhts:
-        algorithm = DiLoCo(inner_steps, codec=None)
-        models = [linear_model(seed=0) for _ in range(3)] + [linear_model(seed=1)]  # the joiner differs
-        # an epoch per round of the first three peers: the joiner sees the swarm ahead and downloads
-        target = 3 * BATCH * inner_steps
-        opts: list[Optimizer | None] = [
-            make_optimizer(dht, m.parameters(), "late", algorithm, target_batch_size=target)
-            for dht, m in zip(dhts[:3], models[:3], strict=True)
-        ] + [None]
-        joined = threading.Event()
+    # an epoch per round of the first three peers: the joiner sees the swarm ahead and downloads
+    target = 3 * BATCH * inner_steps
+    with (
+        local_swarm(4) as dhts,
+        LateJoinSwarm(dhts, "late", DiLoCo(inner_steps, codec=None), target_batch_size=target) as swarm,
+    ):
+        models, opts = swarm.models, swarm.opts
 
         def worker(index: int) -> None:
             generator = torch.Generator().manual_seed(index + 1)
             if index == 3:
-                wait_for(lambda: all(o.algorithm_impl.round_index >= 2 for o in opts[:3]), 60, message="two rounds")
-                opts[3] = make_optimizer(dhts[3], models[3].parameters(), "late", algorithm, target_batch_size=target)
-                joined.set()
+                swarm.join(lambda o: o.algorithm_impl.round_index >= 2, "two rounds")
             opt = opts[index]
             impl = opt.algorithm_impl
             give_up = time.monotonic() + 80
@@ -528,28 +437,23 @@ def test_diloco_late_joiner_loads_state_and_contributes_from_next_round():
                 train_step(models[index], opt, generator)
                 time.sleep(0.02)
 
-        try:
-            run_peers(worker, 4, timeout=100)
-            impls = [opt.algorithm_impl for opt in opts]
-            histories = [(list(i.history), i.state_loads) for i in impls]
-            joiner = impls[3]
-            assert joined.is_set() and joiner.state_loads >= 1
-            assert all(impl.round_index == final_round for impl in impls), [i.history for i in impls]
-            # the joiner's first outer step after its download had weight 0, its later ones counted
-            history = list(joiner.history)
-            assert history and history[0][2] == 0.0, history
-            assert joiner.contributing_rounds >= 1, history
-            assert any(kind == "swarm" and weight > 0 for _, kind, weight, _ in history), history
-            # the others averaged with the swarm (a round may fail on a loaded machine), and every
-            # peer ended on the same model (a peer whose last round failed downloads it)
-            for impl in impls[:3]:
-                assert impl.swarm_rounds >= final_round // 2, histories
-            for model in models[1:]:
-                for mine, theirs in zip(models[0].parameters(), model.parameters(), strict=True):
-                    torch.testing.assert_close(
-                        mine.detach(), theirs.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{m}\n{histories}"
-                    )
-        finally:
-            for opt in opts:
-                if opt is not None:
-                    opt.shutdown()
+        run_peers(worker, 4, timeout=100)
+        impls = [opt.algorithm_impl for opt in opts]
+        histories = [(list(i.history), i.state_loads) for i in impls]
+        joiner = impls[3]
+        assert swarm.joined.is_set() and joiner.state_loads >= 1
+        assert all(impl.round_index == final_round for impl in impls), [i.history for i in impls]
+        # the joiner's first outer step after its download had weight 0, its later ones counted
+        history = list(joiner.history)
+        assert history and history[0][2] == 0.0, history
+        assert joiner.contributing_rounds >= 1, history
+        assert any(kind == "swarm" and weight > 0 for _, kind, weight, _ in history), history
+        # the others averaged with the swarm (a round may fail on a loaded machine), and every
+        # peer ended on the same model (a peer whose last round failed downloads it)
+        for impl in impls[:3]:
+            assert impl.swarm_rounds >= final_round // 2, histories
+        for model in models[1:]:
+            for mine, theirs in zip(models[0].parameters(), model.parameters(), strict=True):
+                torch.testing.assert_close(
+                    mine.detach(), theirs.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{m}\n{histories}"
+                )

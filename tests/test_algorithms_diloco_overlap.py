@@ -4,15 +4,17 @@ that overlap the inner steps and converge, a round that fails on one peer, a lat
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
-from swarm import local_swarm, new_peer, wait_for
-from test_algorithms_diloco_async import (
+from diloco_peers import (
     FailOneRound,
+    LateJoinSwarm,
     batch,
     linear_model,
     make_optimizer,
@@ -20,21 +22,30 @@ from test_algorithms_diloco_async import (
     test_loss,
     train_step,
 )
+from swarm import local_swarm, new_peer, wait_for
 
-from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.compression import ErrorFeedback, SparseTopK
+from hivemind_ext.compression.adaptive import CodecWrapper
+from hivemind_ext.compression.base import CompressionInfo
+from hivemind_ext.errors import ConfigurationError, UntrustedStateError
 from hivemind_ext.optim.algorithms import DiLoCo
+from hivemind_ext.optim.algorithms.diloco_outer import check_count
 from hivemind_ext.optim.algorithms.streaming import (
     MAX_COUNT,
     OverlappedDiLoCoImpl,
     after_download,
+    check_phase,
     fragment_offset,
     fragment_tensors,
     round_is_due,
     round_window,
+    rounds_due,
     sanitized_phase,
     steps_missed,
     update_is_fresh,
 )
+from hivemind_ext.optim.rounds import RoundHooks
+from hivemind_ext.optim.state_averager import TrainingStateAverager
 
 # ----- pure functions
 
@@ -113,6 +124,35 @@ def test_a_hostile_donors_phase_cannot_stall_or_crash_a_joiner():
     assert float(torch.tensor(float(MAX_COUNT), dtype=torch.float32) + 1) == MAX_COUNT + 1
 
 
+def test_a_donors_impossible_phase_is_refused_with_a_typed_error():
+    # [inner step, seconds per step, round index per fragment] with H=8, F=2: fragment 0 is due at
+    # steps 8, 16, ...; fragment 1 at 4, 12, ...: at step 20, 2 and 3 rounds were due
+    assert [rounds_due(20, f, 8, 2) for f in (0, 1)] == [2, 3]
+    assert [rounds_due(3, f, 8, 2) for f in (0, 1)] == [0, 0]
+    check_phase([20.0, 0.05, 2.0, 3.0], 8, 2)  # in step
+    check_phase([20.0, 0.0, 4.0, 5.0], 8, 2)  # a fragment kept after a download may run ahead a little
+    nan, inf = float("nan"), float("inf")
+    for bad in (
+        [nan, 0.05, 2.0, 3.0],
+        [20.0, nan, 2.0, 3.0],
+        [20.0, -inf, 2.0, 3.0],
+        [20.0, 0.05, nan, 3.0],
+        [20.0, 0.05, -1.0, 3.0],
+        [20.0, 0.05, 2.5, 3.0],  # not a whole number
+        [20.0, 0.05, 1e30, 3.0],  # a huge round index
+        [20.0, 0.05, 2.0, 6.0],  # more rounds than were due by step 20
+        [1e30, 0.05, 2.0, 3.0],  # an inner step float32 cannot count on from
+        [20.0],  # too short
+    ):
+        with pytest.raises(UntrustedStateError):
+            check_phase(bad, 8, 2)
+    # plain DiLoCo's phase [inner steps in the round, outer steps]: whole counters
+    assert check_count(3.0, "x") == 3
+    for bad_count in (nan, -1.0, 0.5, float(MAX_COUNT + 1)):
+        with pytest.raises(UntrustedStateError):
+            check_count(bad_count, "x")
+
+
 # ----- one peer: the math
 
 
@@ -168,6 +208,14 @@ def test_solo_overlapped_fragments_match_reference(solo_dht):
 # ----- real peers
 
 
+@pytest.fixture(scope="module")
+def swarm_dhts():
+    """Three DHT peers shared by this module's multi-peer tests (each test trains under its own run_id):
+    starting a swarm takes seconds, which the suite pays once here."""
+    with local_swarm(3) as dhts:
+        yield dhts
+
+
 def plain_diloco_reference(peers: int, steps: int, inner_steps: int, lr: float = 0.1) -> float:
     """What plain DiLoCo computes on the same data when every round succeeds (in one process)."""
     models = [linear_model(seed=0) for _ in range(peers)]
@@ -201,6 +249,15 @@ def finish(opt, impl: OverlappedDiLoCoImpl) -> None:
         opt.load_state_from_peers()
 
 
+def catch_up(opts: Sequence[Any]) -> None:
+    """After the peers stopped: a peer whose very last round did not average (the others applied it)
+    downloads the swarm's state, as it would at its next step."""
+    furthest = max(opt.algorithm_impl.round_indices for opt in opts)
+    for opt in opts:
+        if opt.algorithm_impl.round_indices != furthest:
+            opt.load_state_from_peers()
+
+
 def anchors_agree(impls: list[OverlappedDiLoCoImpl]) -> None:
     histories = [list(impl.history) for impl in impls]
     assert all(impl.round_indices == impls[0].round_indices for impl in impls), histories
@@ -210,38 +267,38 @@ def anchors_agree(impls: list[OverlappedDiLoCoImpl]) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_overlapped_rounds_converge_without_stopping_the_inner_steps():
+def test_overlapped_rounds_converge_without_stopping_the_inner_steps(swarm_dhts):
     inner_steps, steps, peers = 10, 60, 2
-    with local_swarm(peers) as dhts:
-        models = [linear_model(seed=0) for _ in dhts]
-        algorithm = DiLoCo(inner_steps, overlap=True, fragments=2)  # float16 pseudo-gradients
-        opts = [make_optimizer(dht, m.parameters(), "overlap", algorithm) for dht, m in zip(dhts, models, strict=True)]
-        impls = [opt.algorithm_impl for opt in opts]
-        wait_for(lambda: all(o.tracker.global_progress.num_trainers == peers for o in opts), 30, message="peers")
+    dhts = swarm_dhts[:peers]
+    models = [linear_model(seed=0) for _ in dhts]
+    algorithm = DiLoCo(inner_steps, overlap=True, fragments=2)  # float16 pseudo-gradients
+    opts = [make_optimizer(dht, m.parameters(), "overlap", algorithm) for dht, m in zip(dhts, models, strict=True)]
+    impls = [opt.algorithm_impl for opt in opts]
+    wait_for(lambda: all(o.tracker.global_progress.num_trainers == peers for o in opts), 30, message="peers")
 
-        anchors: list[list[torch.Tensor]] = [[], []]
-        indices: list[list[int]] = [[], []]
+    anchors: list[list[torch.Tensor]] = [[], []]
+    indices: list[list[int]] = [[], []]
 
-        def worker(index: int) -> None:
-            generator = torch.Generator().manual_seed(index + 1)
-            for _ in range(steps):
-                train_step(models[index], opts[index], generator)
-                time.sleep(0.05)  # the compute of a step
-            finish(opts[index], impls[index])  # the rounds of step 60 (both peers take part)
-            anchors[index] = [a.clone() for a in impls[index].anchor]
-            indices[index] = impls[index].round_indices
-            for _ in range(inner_steps // 2 + 1):  # start the next round, then shut down with it in flight
-                train_step(models[index], opts[index], generator)
+    def worker(index: int) -> None:
+        generator = torch.Generator().manual_seed(index + 1)
+        for _ in range(steps):
+            train_step(models[index], opts[index], generator)
+            time.sleep(0.05)  # the compute of a step
+        finish(opts[index], impls[index])  # the rounds of step 60 (both peers take part)
+        anchors[index] = [a.clone() for a in impls[index].anchor]
+        indices[index] = impls[index].round_indices
+        for _ in range(inner_steps // 2 + 1):  # start the next round, then shut down with it in flight
+            train_step(models[index], opts[index], generator)
 
-        try:
-            run_peers(worker, peers, timeout=90)
-            in_flight = [impl.rounds_in_flight for impl in impls]
-            started = time.perf_counter()
-        finally:
-            for opt in opts:
-                opt.shutdown()
-        assert time.perf_counter() - started < 10  # rounds still in flight are cancelled, not awaited
-        assert all(impl.rounds_in_flight == 0 for impl in impls), in_flight
+    try:
+        run_peers(worker, peers, timeout=90)
+        in_flight = [impl.rounds_in_flight for impl in impls]
+        started = time.perf_counter()
+    finally:
+        for opt in opts:
+            opt.shutdown()
+    assert time.perf_counter() - started < 10  # rounds still in flight are cancelled, not awaited
+    assert all(impl.rounds_in_flight == 0 for impl in impls), in_flight
     reference = plain_diloco_reference(peers, steps, inner_steps)
     losses = [test_loss(m) for m in models]
     histories = [list(impl.history) for impl in impls]
@@ -262,32 +319,32 @@ def test_overlapped_rounds_converge_without_stopping_the_inner_steps():
 
 
 @pytest.mark.timeout(120)
-def test_overlapped_round_failed_on_one_peer_is_recovered():
+def test_overlapped_round_failed_on_one_peer_is_recovered(swarm_dhts):
     inner_steps, steps, failing_round = 10, 60, 1
-    with local_swarm(2) as dhts:
-        models = [linear_model(seed=0) for _ in dhts]
-        algorithm = DiLoCo(inner_steps, codec=None, overlap=True)
-        hooks = [None, FailOneRound(failing_round)]  # peer 1 counts its second round as failed
-        opts = [
-            make_optimizer(dht, m.parameters(), "overlap_fail", algorithm, round_hooks=h)
-            for dht, m, h in zip(dhts, models, hooks, strict=True)
-        ]
-        impls = [opt.algorithm_impl for opt in opts]
-        wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts), 30, message="both peers")
+    dhts = swarm_dhts[:2]
+    models = [linear_model(seed=0) for _ in dhts]
+    algorithm = DiLoCo(inner_steps, codec=None, overlap=True)
+    hooks = [None, FailOneRound(failing_round)]  # peer 1 counts its second round as failed
+    opts = [
+        make_optimizer(dht, m.parameters(), "overlap_fail", algorithm, round_hooks=h)
+        for dht, m, h in zip(dhts, models, hooks, strict=True)
+    ]
+    impls = [opt.algorithm_impl for opt in opts]
+    wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts), 30, message="both peers")
 
-        def worker(index: int) -> None:
-            generator = torch.Generator().manual_seed(index + 1)
-            impl = impls[index]
-            for _ in range(steps):
-                train_step(models[index], opts[index], generator)
-                time.sleep(0.05)
-            finish(opts[index], impl)
+    def worker(index: int) -> None:
+        generator = torch.Generator().manual_seed(index + 1)
+        impl = impls[index]
+        for _ in range(steps):
+            train_step(models[index], opts[index], generator)
+            time.sleep(0.05)
+        finish(opts[index], impl)
 
-        try:
-            run_peers(worker, 2, timeout=100)
-        finally:
-            for opt in opts:
-                opt.shutdown()
+    try:
+        run_peers(worker, 2, timeout=100)
+    finally:
+        for opt in opts:
+            opt.shutdown()
     histories = [(list(impl.history), impl.state_loads) for impl in impls]
     failed = [h for h in impls[1].history if h[2] != "swarm"]
     assert failed and failed[0][1] == failing_round, histories  # the injected failure: no outer step
@@ -298,50 +355,235 @@ def test_overlapped_round_failed_on_one_peer_is_recovered():
     assert all(loss < test_loss(linear_model(seed=0)) / 10 for loss in losses), (losses, histories)
 
 
+def contributed(impl: OverlappedDiLoCoImpl, group: int) -> set[tuple[int, int]]:
+    """(fragment, round index) of the rounds that ``impl`` applied in a group of ``group`` with a weight."""
+    return {(h[0], h[1]) for h in impl.history if h[2] == "swarm" and h[3] > 0 and h[4] == group}
+
+
 @pytest.mark.timeout(120)
-def test_overlapped_late_joiner_loads_state_and_contributes():
-    inner_steps, fragments, last_step = 8, 1, 64  # the schedule is the swarm's: every peer stops at its step 64
-    with local_swarm(3) as dhts:
-        algorithm = DiLoCo(inner_steps, codec=None, overlap=True, fragments=fragments)
-        models = [linear_model(seed=0) for _ in range(2)] + [linear_model(seed=1)]  # the joiner differs
-        target = 2 * 16 * inner_steps  # an epoch per round: the joiner sees the swarm ahead and downloads
-        opts: list[Any] = [
-            make_optimizer(d, m.parameters(), "overlap_late", algorithm, target_batch_size=target)
-            for d, m in zip(dhts[:2], models[:2], strict=True)
-        ] + [None]
-        joined = threading.Event()
+def test_overlapped_late_joiner_with_fragments_gets_in_step(swarm_dhts):
+    """A peer joins a swarm of two whose fragments (F=2, staggered by H/2) have rounds in flight most of
+    the time, so its download is one round behind on a fragment or both: it takes part with weight 0,
+    holds the others' averages, downloads again, and then averages with weight at the swarm's round
+    indices. The swarm then trains two more windows; at the end every peer holds the same anchors and
+    round indices, and parameters within 0.2 of each other (they differ by the up to H inner steps each
+    made since its last round started, lr 0.1; 0.10 was the largest difference seen in 8 runs)."""
+    inner_steps, fragments = 8, 2
+    target = 2 * 16 * inner_steps  # an epoch per round: the joiner sees the swarm ahead and downloads
+    algorithm = DiLoCo(inner_steps, codec=None, overlap=True, fragments=fragments)
+    dhts = swarm_dhts[:3]
+    with LateJoinSwarm(dhts, "overlap_late", algorithm, target_batch_size=target) as swarm:
+        models, opts = swarm.models, swarm.opts
+        wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts[:2]), 30, message="peers")
+        last_step = [10**6]  # the schedule is the swarm's: every peer stops at this step (set once the joiner is in)
+        give_up = time.monotonic() + 70
 
         def worker(index: int) -> None:
             generator = torch.Generator().manual_seed(index + 1)
             if index == 2:
-                wait_for(lambda: all(o.algorithm_impl.round_indices[0] >= 2 for o in opts[:2]), 60, message="rounds")
-                opts[2] = make_optimizer(
-                    dhts[2], models[2].parameters(), "overlap_late", algorithm, target_batch_size=target
-                )
-                joined.set()
+                swarm.join(lambda o: o.algorithm_impl.round_indices[0] >= 2, "two rounds of fragment 0")
             opt = opts[index]
             impl = opt.algorithm_impl
-            while impl.step_index < last_step:
+            while impl.step_index < last_step[0] and time.monotonic() < give_up:
                 train_step(models[index], opt, generator)
-                time.sleep(0.1)  # rounds land within the H steps: the regime in which joiners are reliably in step
+                time.sleep(0.03)
+                if index == 2 and last_step[0] == 10**6 and {f for f, _ in contributed(impl, 3)} == {0, 1}:
+                    last_step[0] = (impl.step_index // inner_steps + 2) * inner_steps
             finish(opt, impl)
 
-        try:
-            run_peers(worker, 3, timeout=100)
-        finally:
-            for opt in opts:
-                if opt is not None:
-                    opt.shutdown()
-    impls = [opt.algorithm_impl for opt in opts]
-    histories = [(list(i.history), i.state_loads) for i in impls]
+        run_peers(worker, 3, timeout=100)
+        impls = [opt.algorithm_impl for opt in opts]
+        histories = [(list(i.history), i.state_loads) for i in impls]
+        assert last_step[0] < 10**6, histories  # the joiner contributed to rounds of both fragments
+        catch_up(opts)
     joiner = impls[2]
-    assert joined.is_set() and joiner.state_loads >= 1, histories
-    assert joiner.inner_steps < last_step - 2 * inner_steps, histories  # it followed the swarm's schedule
-    # it contributed (weight > 0) to rounds that the others applied at the same round index (the round
-    # check): those rounds moved every member's anchor the same way
-    joined_rounds = {(h[0], h[1]) for h in joiner.history if h[2] == "swarm" and h[3] > 0 and h[4] == 3}
-    assert joined_rounds and joiner.contributing_rounds >= 1, histories
+    histories = [(list(i.history), i.state_loads) for i in impls]
+    assert swarm.joined.is_set() and joiner.state_loads >= 1, histories
+    assert joiner.inner_steps < impls[0].inner_steps - 2 * inner_steps, histories  # it followed the swarm's schedule
+    # the rounds it contributed to were applied by the others at the same round index (the round check)
     for impl in impls[:2]:
-        assert joined_rounds & {(h[0], h[1]) for h in impl.history if h[2] == "swarm" and h[4] == 3}, histories
-    anchors_agree(impls[:2])
+        assert contributed(joiner, 3) & {(h[0], h[1]) for h in impl.history if h[2] == "swarm"}, histories
+    anchors_agree(impls)
+    for model in models[1:]:
+        for mine, theirs in zip(models[0].parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(
+                mine.detach(), theirs.detach(), atol=0.2, rtol=0, msg=lambda m: f"{m}\n{histories}"
+            )
     assert test_loss(models[2]) < test_loss(linear_model(seed=1)) / 10, ([test_loss(m) for m in models], histories)
+
+
+# ----- error feedback around a round that is not applied
+
+
+class RecordingCodec(CodecWrapper):
+    """Passes every compression to ``codec`` and records its input, so that a test can replay them."""
+
+    def __init__(self, codec: ErrorFeedback) -> None:
+        self.codec = codec
+        self.calls: list[tuple[torch.Tensor, CompressionInfo | None]] = []
+        self.lock = threading.Lock()
+
+    def check_tensor(self, tensor: Any) -> None:
+        self.codec.check_tensor(tensor)
+
+    def encode(self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False) -> Any:
+        with self.lock:
+            self.calls.append((tensor.detach().clone(), info))
+        return self.codec.encode(tensor, info, allow_inplace=False)
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False) -> Any:
+        return self.encode(tensor, info).to_host()
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.codec.estimate_compression_ratio(info)
+
+
+class FailAfterRound(RoundHooks):
+    """This peer's ``index``-th round (from 0) arrives whole, and is then failed (a hook's fault): its
+    messages were all compressed and sent, and no outer step follows."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.rounds = index, 0
+
+    def after_round(self, control: Any, error: BaseException | None) -> None:
+        self.rounds += 1
+        if self.rounds == self.index + 1:
+            raise TimeoutError("injected: the round is counted as failed")
+
+
+def replayed(calls: list[tuple[torch.Tensor, Any]]) -> dict:
+    """The residuals of a fresh ErrorFeedback after these compressions."""
+    feedback = ErrorFeedback(SparseTopK(density=0.25, bits=4))
+    for tensor, info in calls:
+        feedback.encode(tensor, info)
+    return feedback.snapshot()
+
+
+def same_residuals(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k][0], b[k][0], atol=1e-7, rtol=0) for k in a)
+
+
+@pytest.mark.timeout(60)
+def test_a_round_that_is_not_applied_leaves_no_error_feedback_residual(swarm_dhts):
+    """Rounds 0 and 2 succeed, round 1 arrives and is failed by a hook on both peers. Round 2 resends
+    round 1's pseudo-gradient (``anchor - params`` still holds it), so after it each peer's residuals
+    must be those of its rounds 0 and 2 alone: replayed on a fresh ErrorFeedback, in this process."""
+    inner_steps, rounds = 4, 3
+    dhts = swarm_dhts[:2]
+    models = [linear_model(seed=0) for _ in dhts]
+    codecs = [RecordingCodec(ErrorFeedback(SparseTopK(density=0.25, bits=4))) for _ in dhts]
+    opts = [
+        make_optimizer(d, m.parameters(), "overlap_ef", DiLoCo(inner_steps, codec=c, overlap=True), round_hooks=h)
+        for d, m, c, h in zip(dhts, models, codecs, [FailAfterRound(1), FailAfterRound(1)], strict=True)
+    ]
+    impls = [opt.algorithm_impl for opt in opts]
+    wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in opts), 30, message="both peers")
+    calls_per_round: list[list[int]] = [[], []]
+
+    def worker(index: int) -> None:
+        generator = torch.Generator().manual_seed(index + 1)
+        for step in range(1, rounds * inner_steps + 1):
+            train_step(models[index], opts[index], generator)
+            if step % inner_steps == 0:
+                impls[index].settle()  # the round started at this step: every compression of it is done
+                calls_per_round[index].append(len(codecs[index].calls))
+
+    try:
+        run_peers(worker, 2, timeout=50)
+    finally:
+        for opt in opts:
+            opt.shutdown()
+    histories = [list(impl.history) for impl in impls]
+    for index, impl in enumerate(impls):
+        assert [h[2] for h in impl.history] == ["swarm", "retry", "swarm"], histories
+        assert all(age <= inner_steps for *_, age in impl.history), histories  # the staleness bound
+        first, second, third = calls_per_round[index]
+        calls = codecs[index].calls
+        assert 0 < first < second < third == len(calls), calls_per_round
+        actual = impl.error_feedback.snapshot()
+        without_failed = replayed(calls[:first] + calls[second:])
+        assert same_residuals(actual, without_failed), (index, histories)
+        assert not same_residuals(actual, replayed(calls)), "the failed round's compressions left no residual"
+    anchors_agree(impls)
+
+
+def test_error_feedback_restores_one_fragments_residuals_only():
+    # fragments' rounds overlap: restoring one fragment's residuals must leave another's round alone
+    feedback = ErrorFeedback(SparseTopK(density=0.25, bits=4))
+    x = torch.linspace(-1.0, 1.0, 16)
+    feedback.encode(x, CompressionInfo(key="f0"))
+    before = feedback.snapshot(keys={"f0"})
+    assert set(key for key, _ in before) == {"f0"}
+    feedback.encode(x * 3, CompressionInfo(key="f0"))  # the round that is not applied
+    feedback.encode(x * 2, CompressionInfo(key="f1"))  # another fragment's round, in flight meanwhile
+    f1 = feedback.residual("f1").clone()
+    feedback.restore(before, keys={"f0"})
+    torch.testing.assert_close(feedback.residual("f0"), before[("f0", 0)][0], rtol=0, atol=0)
+    torch.testing.assert_close(feedback.residual("f1"), f1, rtol=0, atol=0)
+    feedback.restore({}, keys={"f1"})  # a snapshot from before f1's first round: none
+    assert feedback.residual("f1") is None and feedback.residual("f0") is not None
+
+
+# ----- a hostile donor's phase
+
+
+@pytest.mark.timeout(90)
+def test_a_joiner_refuses_a_donors_impossible_round_index_and_loads_from_another(swarm_dhts, monkeypatch, caplog):
+    """Two peers train with fragments; one of them serves joiners a phase with a huge round index (a
+    finite value: only the algorithm's check can refuse it) and is asked first. The joiner refuses it
+    with UntrustedStateError, bans that donor, downloads the honest peer's state, and trains in step."""
+    caplog.set_level(logging.WARNING, logger="hivemind_ext")
+    inner_steps, fragments = 4, 2
+    honest = TrainingStateAverager.get_current_state
+    hostile: set[int] = set()
+
+    def get_current_state(self: TrainingStateAverager) -> tuple[Any, list[torch.Tensor]]:
+        metadata, tensors = honest(self)
+        if id(self) in hostile:  # the phase is the last extra tensor: [step, pace, round of each fragment]
+            tensors = [t.clone() for t in tensors]
+            tensors[metadata["num_params"] + metadata["num_extra"] - 1][2] = 1e6
+        return metadata, tensors
+
+    monkeypatch.setattr(TrainingStateAverager, "get_current_state", get_current_state)
+    dhts = swarm_dhts[:3]
+    algorithm = DiLoCo(inner_steps, codec=None, overlap=True, fragments=fragments)
+    with LateJoinSwarm(dhts, "overlap_hostile", algorithm) as swarm:
+        early = swarm.opts[:2]
+        hostile.add(id(early[1].state_averager))
+        early[1].state_averager.state_sharing_priority = 1  # a newer version than the honest donor's 0
+        wait_for(lambda: all(o.tracker.global_progress.num_trainers == 2 for o in early), 30, message="peers")
+
+        def train(indices: Sequence[int], steps: int) -> None:
+            def worker(index: int) -> None:
+                generator = torch.Generator().manual_seed(indices[index] + 1)
+                for _ in range(steps):
+                    train_step(swarm.models[indices[index]], swarm.opts[indices[index]], generator)
+                    time.sleep(0.02)
+                swarm.opts[indices[index]].algorithm_impl.settle()
+
+            run_peers(worker, len(indices), timeout=40)
+
+        train([0, 1], 3 * inner_steps)
+        # the joiner's first round fails (a hook): it must still sit it out with weight 0 afterwards
+        joiner = swarm.join(lambda o: True, "the early peers", round_hooks=FailOneRound(0))
+        joiner.load_state_from_peers()
+        impls = [opt.algorithm_impl for opt in swarm.opts]
+        assert "UntrustedStateError" in caplog.text or "refused the state" in caplog.text, caplog.text
+        assert early[1].state_averager.donor.stats.downloads >= 1  # it was asked first
+        assert impls[2].state_loads == 1
+        # the honest donor's phase (3 rounds per fragment were due; one may have failed on a loaded machine)
+        assert impls[2].round_indices == impls[0].round_indices, [i.round_indices for i in impls]
+        assert all(1 <= index <= 3 for index in impls[2].round_indices), [i.round_indices for i in impls]
+        for mine, theirs in zip(impls[0].anchor, impls[2].anchor, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+        # it trains on with the others, in step
+        train([0, 1, 2], 2 * inner_steps + 1)
+        for opt in swarm.opts:
+            finish(opt, opt.algorithm_impl)
+        catch_up(swarm.opts)
+    histories = [list(impl.history) for impl in impls]
+    first = impls[2].history[0]
+    assert first[2] == "retry" and first[3] == 0.0, histories  # the injected failure, with weight 0
+    after = [h for h in impls[2].history if h[0] == first[0]][1]
+    assert after[3] == 0.0, histories  # a failed round did not say it was in step: still weight 0
+    anchors_agree(impls)

@@ -52,6 +52,49 @@ def test_weighted_mean_with_uneven_parts_and_many_chunks(swarm: Swarm, size: int
         assert {str(k): v["index"] for k, v in result.gathered.items()} == {p.name: i for i, p in enumerate(peers)}
 
 
+class SlowLastChunk(RoundHooks):
+    """Sender side: holds back the last chunk of its slice of part 0 for ``delay`` seconds."""
+
+    def __init__(self, last: int, delay: float) -> None:
+        self.last, self.delay = last, delay
+
+    async def before_send_chunk(self, owner, part: int, index: int, message: Message) -> Message:
+        if part == 0 and index == self.last:
+            await asyncio.sleep(self.delay)
+        return message
+
+
+class Timeline(RoundHooks):
+    """Owner side: when each chunk of each sender arrived and each averaged chunk went out (loop time)."""
+
+    def __init__(self) -> None:
+        self.received: dict[tuple[str, int], float] = {}
+        self.sent: dict[tuple[str, int | None], float] = {}
+
+    async def after_receive_chunk(self, sender, part: int, index: int, message: Message) -> None:
+        self.received[str(sender), index] = asyncio.get_running_loop().time()
+
+    async def before_send_result(self, sender, part: int, index: int | None, message: Message) -> Message:
+        self.sent[str(sender), index] = asyncio.get_running_loop().time()
+        return message
+
+
+def test_owner_streams_each_averaged_chunk_back_before_its_part_is_complete(swarm: Swarm) -> None:
+    # the owner returns chunk 0 of the average while the last chunk of its part is still on its way
+    peers = swarm.peers[:2]
+    inputs = inputs_for(2, shapes=[(1600,)])
+    cfg = config(part_size_bytes=400)  # part 0: 800 values, 8 chunks
+    timeline = Timeline()
+    hooks = {0: timeline, 1: SlowLastChunk(last=7, delay=0.5)}
+    outcomes = swarm.run(run_round(peers, group_of([p.member() for p in peers]), inputs, config=cfg, hooks=hooks))
+    check_round(peers, inputs, [1.0, 1.0], outcomes, honest=range(2))
+    assert outcomes[0].result.complete and outcomes[1].result.complete
+    slow = str(peers[1].peer_id)
+    last_in = timeline.received[slow, 7]
+    assert timeline.sent[slow, 0] < last_in - 0.3  # the first averaged chunk went out well before
+    assert timeline.sent[slow, 6] < last_in < timeline.sent[slow, 7]
+
+
 def test_butterfly_bytes_match_the_minimum(swarm: Swarm) -> None:
     peers = swarm.peers
     group = group_of([p.member() for p in peers])

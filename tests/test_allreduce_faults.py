@@ -191,13 +191,23 @@ def _numel(message: Message) -> int:
 
 def _replace_values(make: Callable[[int], torch.Tensor]) -> Callable[[Message], Message]:
     def replace(message: Message) -> Message:
-        return pack_tensor(NoCompression().compress(make(_numel(message))), i=message.header["i"])
+        fields = {key: value for key, value in message.header.items() if key != "tensor"}  # "i", and "from"
+        return pack_tensor(NoCompression().compress(make(_numel(message))), **fields)
 
     return replace
 
 
 def _with_index(new_index: int) -> Callable[[Message], Message]:
     return lambda m: Message({**m.header, "i": new_index}, m.payload)
+
+
+def _with_contributors(positions: Callable[[list[int]], object]) -> Callable[[Message], Message]:
+    """An averaged chunk whose per-chunk contributor list ("from") is replaced by ``positions(old)``."""
+    return lambda m: Message({**m.header, "from": positions(m.header["from"])}, m.payload)
+
+
+def _without_contributors(message: Message) -> Message:
+    return Message({key: value for key, value in message.header.items() if key != "from"}, message.payload)
 
 
 def _oversized_payload(message: Message) -> Message:
@@ -370,22 +380,73 @@ def test_malformed_join_is_refused(swarm: Swarm, update: dict) -> None:
         assert outcomes[i].seconds < NEXT_CHUNK_TIMEOUT / 2  # refused at once, not at the join deadline
 
 
+BAD_FROM = "averaged chunk 0 needs 'from'"
+BAD_POSITIONS = "averaged chunk 0 lists contributor positions"
+
+
 @pytest.mark.parametrize(
-    "corrupt",
+    "corrupt, reason",
     [
-        _replace_values(lambda n: torch.full((n,), float("nan"))),
-        _replace_values(lambda n: torch.zeros(n + 3)),
-        _with_index(5),
-        _garbage_header,
+        pytest.param(_replace_values(lambda n: torch.full((n,), float("nan"))), "NaN", id="nan"),
+        pytest.param(_replace_values(lambda n: torch.zeros(n + 3)), "shape", id="wrong_shape"),
+        pytest.param(_with_index(5), "expected averaged chunk 0, got 5", id="wrong_index"),
+        pytest.param(_with_index(1), "expected averaged chunk 0, got 1", id="out_of_order"),
+        pytest.param(_oversized_payload, "", id="oversized_payload"),
+        pytest.param(_garbage_header, "", id="garbage"),
+        # the per-chunk contributor list (positions in RESULT's list; the victim is at position 1)
+        pytest.param(_without_contributors, BAD_FROM, id="no_contributors"),
+        pytest.param(_with_contributors(lambda old: "everyone"), BAD_FROM, id="contributors_not_a_list"),
+        pytest.param(_with_contributors(lambda old: [float(p) for p in old]), BAD_FROM, id="contributor_not_an_int"),
+        pytest.param(_with_contributors(lambda old: old[::-1]), BAD_POSITIONS, id="contributors_unsorted"),
+        pytest.param(_with_contributors(lambda old: [0, 0, *old]), BAD_POSITIONS, id="contributor_twice"),
+        pytest.param(_with_contributors(lambda old: [*old, 99]), BAD_POSITIONS, id="contributor_out_of_range"),
+        pytest.param(_with_contributors(lambda old: [-1, *old]), BAD_POSITIONS, id="contributor_negative"),
+        pytest.param(  # a lie: the victim delivered chunk 0, and an owner that leaves a sender out refuses it
+            _with_contributors(lambda old: [p for p in old if p != 1]),
+            "averaged chunk 0 leaves out this member",
+            id="contributors_leave_out_the_victim",
+        ),
     ],
-    ids=["nan", "wrong_shape", "wrong_index", "garbage"],
 )
-def test_owner_that_sends_an_invalid_average(swarm: Swarm, corrupt) -> None:
+def test_owner_that_sends_an_invalid_average(swarm: Swarm, corrupt, reason: str) -> None:
     victim = swarm.peers[1].peer_id
     inputs, weights, outcomes = run_faulty(swarm, lambda tasks: {FAULTY: CorruptResult(corrupt, victim)})
     check_round(swarm.peers, inputs, weights, outcomes, honest=range(4))
-    assert not outcomes[1].result.parts[FAULTY].averaged and swarm.peers[FAULTY].peer_id in outcomes[1].result.excluded
+    assert not outcomes[1].result.parts[FAULTY].averaged
+    assert reason in outcomes[1].result.excluded[swarm.peers[FAULTY].peer_id]
     assert all(outcomes[i].result.all_averaged for i in (0, 2, 3))
+
+
+class FailStreamLater(RoundHooks):
+    """The stream to ``owner`` breaks at chunk ``at``, ``delay`` seconds after the chunks before it
+    went out (by then every other sender has delivered the whole part)."""
+
+    def __init__(self, owner: PeerID, at: int, delay: float) -> None:
+        self.owner, self.at, self.delay = owner, at, delay
+
+    async def before_send_chunk(self, owner: PeerID, part: int, index: int, message: Message) -> Message:
+        if owner == self.owner and index == self.at:
+            await asyncio.sleep(self.delay)
+            raise ConnectionResetError("injected: connection reset")
+        return message
+
+
+def test_a_sender_that_drops_out_mid_part_is_reported_chunk_by_chunk(swarm: Swarm) -> None:
+    # the owner streamed chunks 0-1 back with the sender's values in them before the sender dropped out
+    owner, faulty_id = swarm.peers[0].peer_id, swarm.peers[FAULTY].peer_id
+    cfg = fault_config(part_size_bytes=256)  # part 0 is 384 values: 6 chunks
+    hooks = {FAULTY: FailStreamLater(owner, at=2, delay=0.7 * NEXT_CHUNK_TIMEOUT)}
+    inputs, weights, outcomes = run_faulty(swarm, lambda tasks: hooks, cfg=cfg)
+    check_round(swarm.peers, inputs, weights, outcomes, honest=range(4))  # checks every run's values
+    for i in range(FAULTY):
+        result = outcomes[i].result
+        part = result.parts[0]
+        assert part.averaged and faulty_id not in part.contributors
+        first, rest = part.runs
+        assert (first.start, first.end, rest.end) == (part.start, part.start + 128, part.end)
+        assert faulty_id in first.contributors and faulty_id not in rest.contributors
+        assert not result.complete and faulty_id in result.missing
+    assert not outcomes[FAULTY].result.parts[0].averaged  # it kept its own values for that part
 
 
 def test_own_nan_values_are_not_averaged_and_do_not_poison_others(swarm: Swarm) -> None:

@@ -13,11 +13,13 @@ import copy
 import logging
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import hivemind
 import pytest
 import torch
+from faulty_dht import FaultyDHT
 from peer_trainers import (
     LR,
     Trainer,
@@ -35,6 +37,7 @@ from hivemind_ext.errors import ConfigurationError, UntrustedStateError
 from hivemind_ext.optim.state_averager import TrainingStateAverager
 from hivemind_ext.optim.state_checks import StateBounds, check_state_values
 from hivemind_ext.optim.state_digests import DigestBoard, majority_digest, state_digest
+from hivemind_ext.p2p.signing import default_signing_key
 
 pytestmark = pytest.mark.slow
 
@@ -199,13 +202,12 @@ def test_a_peer_whose_parameters_silently_diverge_resyncs() -> None:
         diverged_at = victim.opt.local_epoch
         assert not same_params(params_of(victim.model), params_of(trainers[0].model))
         train_together(trainers, until_epoch=diverged_at + 5, seconds=100)
-        # back in line with an honest peer at some later epoch (under load, a round that one peer misses
-        # puts that peer out of line for an epoch or two, so not every epoch need match)
-        later = sorted(set(victim.history) - set(range(diverged_at + 2)))
+        # back in line with an honest peer at some later epoch: compared after the epoch's last step, since
+        # the resync's download lands within an epoch that the peer entered out of line (under load, a round
+        # the downloading peer misses puts it out of line again for an epoch or two: not every epoch matches)
+        later = sorted(set(victim.latest) - set(range(diverged_at + 2)))
         in_line = [
-            e
-            for e in later
-            if any(e in t.history and same_params(victim.history[e], t.history[e]) for t in trainers[:2])
+            e for e in later if any(e in t.latest and same_params(victim.latest[e], t.latest[e]) for t in trainers[:2])
         ]
         assert in_line, f"the diverged peer never came back in line (epochs {later})"
         assert victim.opt.state_digests is not None and victim.opt.state_digests.divergences >= 1
@@ -297,3 +299,57 @@ def test_state_digest_and_majority() -> None:
     assert majority_digest({"p1": a, "p2": b}) is None  # one each: nobody is outvoted
     assert majority_digest({"p1": a}) is None  # a lone peer is no majority
     assert majority_digest({"p1": a, "p2": a, "p3": b, "p4": b}) is None
+
+
+class LoadDuringRead(FaultyDHT):
+    """The victim's DHT: ``on_get`` runs as a digest check's read starts (a state download landing
+    while the check is in flight)."""
+
+    on_get: Callable[[], Any] | None = None
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        if self.on_get is not None:
+            self.on_get()
+        return super().get(*args, **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_a_check_of_a_state_taken_before_a_load_does_not_resync_again() -> None:
+    """Once the diverged peer loaded the swarm's state, a check still running on a digest of its old
+    state must not request another resync (it did: a second download, then a missed round)."""
+    honest_state = ({"epoch": 1}, [torch.zeros(4)])
+    held = [({"epoch": 1}, [torch.ones(4)])]  # the victim's state: diverged until it "loads"
+    resyncs: list[int] = []
+    with local_swarm(3) as dhts:
+        prefix = "stale_digest_check"
+        boards = [
+            DigestBoard(
+                dht, prefix, dht.peer_id.to_base58(), take_state=lambda: honest_state, on_diverged=lambda _: None
+            )
+            for dht in dhts[:2]
+        ]
+        victim_dht = LoadDuringRead(dhts[2])
+        victim = DigestBoard(
+            victim_dht,
+            prefix,
+            dhts[2].peer_id.to_base58(),
+            take_state=lambda: held[0],
+            on_diverged=resyncs.append,
+            signing_key=default_signing_key(dhts[2]),
+        )
+        try:
+            for epoch in (0, 1):
+                for board in [*boards, victim]:
+                    board.after_epoch(epoch).result(30)
+            assert resyncs == [0] and victim.divergences == 1  # the check of epoch 0 found the divergence
+
+            def load() -> None:
+                held[0] = honest_state
+                victim.forget()
+
+            victim_dht.on_get = load  # the download lands while the check of epoch 1 reads the digests
+            victim.after_epoch(2).result(30)
+            assert resyncs == [0] and victim.divergences == 1, "a check of the old state resynced the peer again"
+        finally:
+            for board in [*boards, victim]:
+                board.shutdown()

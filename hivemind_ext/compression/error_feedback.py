@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import Any
 
 import torch
@@ -199,31 +199,33 @@ class ErrorFeedback(CodecWrapper):
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return self.codec.estimate_compression_ratio(info)
 
-    def snapshot(self) -> Snapshot:
-        """Copies of all residuals, for :meth:`restore`.
+    def snapshot(self, keys: Collection[Hashable] | None = None) -> Snapshot:
+        """Copies of all residuals (with ``keys``: of those tensor keys only), for :meth:`restore`.
 
         For algorithms that send the same values again after a round failed: DiLoCo retries with
         ``anchor - params``, which still holds the failed round's pseudo-gradient. Compressing it on top of
         the residuals that round left behind would count the part of it the failed messages "sent" twice
         (for a sparse codec, nearly all of it); restoring the snapshot taken before the round avoids that.
         """
-        return self._residuals(copy=True)
+        return self._residuals(copy=True, keys=keys)
 
-    def restore(self, snapshot: Snapshot) -> None:
-        """Puts back the residuals of a :meth:`snapshot` (copied); residuals made since are dropped.
-        Call it while no compression with this instance is in flight."""
+    def restore(self, snapshot: Snapshot, keys: Collection[Hashable] | None = None) -> None:
+        """Puts back the residuals of a :meth:`snapshot` (copied); residuals made since are dropped. With
+        ``keys``, only those tensor keys' residuals change (another key's round may be in flight meanwhile,
+        e.g. another fragment's in streaming DiLoCo). Call it while no compression of these keys is in flight."""
         with self._lock:
             for key in snapshot.keys() - self._slots.keys():
-                self._slots[key] = _Slot()
-            slots = list(self._slots.items())
+                if keys is None or key[0] in keys:
+                    self._slots[key] = _Slot()
+            slots = [(key, slot) for key, slot in self._slots.items() if keys is None or key[0] in keys]
         for key, slot in slots:
             with slot.lock:
                 residual, dtype = snapshot.get(key, (None, None))
                 slot.residual, slot.dtype = (None if residual is None else residual.clone()), dtype
 
-    def _residuals(self, *, copy: bool) -> Snapshot:
+    def _residuals(self, *, copy: bool, keys: Collection[Hashable] | None = None) -> Snapshot:
         with self._lock:
-            slots = list(self._slots.items())
+            slots = [(key, slot) for key, slot in self._slots.items() if keys is None or key[0] in keys]
         residuals = {}
         for key, slot in slots:
             with slot.lock:
@@ -241,6 +243,16 @@ class ErrorFeedback(CodecWrapper):
         self._slots = {
             key: _Slot(residual=residual, dtype=dtype) for key, (residual, dtype) in state["residuals"].items()
         }
+
+
+def find_error_feedback(codec: Any, depth: int = 8) -> ErrorFeedback | None:
+    """The :class:`ErrorFeedback` that ``codec`` is, or wraps through ``.codec`` (e.g. a codec that
+    records or counts what passes), or None: what an algorithm snapshots and restores around a round."""
+    for _ in range(depth):
+        if isinstance(codec, ErrorFeedback) or codec is None:
+            return codec
+        codec = getattr(codec, "codec", None)
+    return None
 
 
 def _slot_key(info: CompressionInfo | None) -> tuple[Hashable, Hashable]:
@@ -274,4 +286,4 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "find_error_feedback"]

@@ -70,6 +70,7 @@ class TrainingStateAverager(DecentralizedAverager):
         """Refuses a state that does not fit this optimizer, or holds values out of ``state_bounds``."""
         state, bounds = self.training_state, self.state_bounds
         state.check_snapshot(metadata, tensors)
+        state.check_extra_values(tensors)
         max_epoch = None
         if bounds.max_epochs_ahead is not None:
             swarm = self.swarm_epoch() if self.swarm_epoch is not None else 0

@@ -156,6 +156,8 @@ class DigestBoard:
         self.take_state, self.on_diverged = take_state, on_diverged
         self.expiration, self.timeout = expiration, timeout
         self._own: dict[int, bytes] = {}  # epoch -> this peer's digest (the last few epochs)
+        # bumped by forget(): work on a state taken before a load no longer describes this peer
+        self._generation = 0
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-digest")
         self._closed = False
@@ -173,14 +175,17 @@ class DigestBoard:
         state = self.take_state()
         self.copy_seconds += time.perf_counter() - started
         try:
-            return self._executor.submit(self._publish_and_check, int(epoch), state)
+            return self._executor.submit(self._publish_and_check, int(epoch), state, self._generation)
         except RuntimeError:  # shut down meanwhile
             return None
 
     def forget(self) -> None:
-        """Drops this peer's own digests (after it loaded a state: they no longer describe it)."""
+        """Drops this peer's own digests (after it loaded a state: they no longer describe it), and the
+        publications and checks of states taken before: a check still running on a digest of the old
+        state would find it diverged and resync the peer again (a second download, a missed round)."""
         with self._lock:
             self._own.clear()
+            self._generation += 1
 
     def agreed(self, epoch: int) -> bytes | None:
         """The digest that a majority of the peers published for ``epoch`` (blocking DHT read), or None."""
@@ -190,11 +195,13 @@ class DigestBoard:
         self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _publish_and_check(self, epoch: int, state: tuple[Any, Sequence[torch.Tensor]]) -> None:
+    def _publish_and_check(self, epoch: int, state: tuple[Any, Sequence[torch.Tensor]], generation: int) -> None:
         started = time.perf_counter()
         digest = state_digest(*state)
         self.hash_seconds += time.perf_counter() - started
         with self._lock:
+            if generation != self._generation:  # taken before a load: describes nothing this peer holds
+                return
             self._own[epoch] = digest
             for old in [e for e in self._own if e < epoch - 2]:
                 del self._own[old]
@@ -211,15 +218,17 @@ class DigestBoard:
             if future.result(self.timeout):
                 self.published += 1
             if previous is not None:
-                self._check(epoch - 1, previous)
+                self._check(epoch - 1, previous, generation)
         except Exception as e:  # a DHT that timed out or stopped: skip this epoch's comparison
             logger.debug(f"state digest of epoch {epoch}: {type(e).__name__}: {e}")
 
-    def _check(self, epoch: int, own: bytes) -> None:
+    def _check(self, epoch: int, own: bytes, generation: int) -> None:
         digests = self._read(epoch)
         digests[self.peer_id] = own
         majority = majority_digest(digests)
-        if majority is not None and majority != own:
+        with self._lock:
+            stale = generation != self._generation  # the peer loaded a state while this read ran
+        if majority is not None and majority != own and not stale:
             self.divergences += 1
             agreeing = sum(digest == majority for digest in digests.values())
             logger.warning(

@@ -73,6 +73,8 @@ class TrainingState:
             raise ConfigurationError("a parameter appears twice in the optimizer's param groups")
         self.offload = offload and self.opt_params is not self.main_params
         self.extra_tensors = list(extra_tensors)
+        # (first index in extra_tensors, count, check): see add_extra_tensors
+        self._extra_checks: list[tuple[int, int, Callable[[list[torch.Tensor]], None]]] = []
         self.average_opt_statistics = tuple(average_opt_statistics)
         self.functional = FunctionalOptimizer(self.optimizer)
         if callable(scheduler) and (isinstance(scheduler, type) or not hasattr(scheduler, "step")):
@@ -154,6 +156,25 @@ class TrainingState:
         return [*self.opt_params, *self.statistics(), *self.extra_tensors]
 
     # ----- state for newcomers
+
+    def add_extra_tensors(
+        self, tensors: Sequence[torch.Tensor], *, check: Callable[[list[torch.Tensor]], None] | None = None
+    ) -> None:
+        """Appends tensors that travel with the state (e.g. an algorithm's anchors and counters). ``check``
+        receives the downloaded values of exactly these tensors (host copies, shapes already checked)
+        before a state is adopted, and raises :class:`~hivemind_ext.errors.UntrustedStateError` to refuse
+        it: values that are finite but cannot be (a round counter of 1e30) come from a hostile donor,
+        and the loader then bans it and downloads from others."""
+        if check is not None:
+            self._extra_checks.append((len(self.extra_tensors), len(tensors), check))
+        self.extra_tensors.extend(tensors)
+
+    def check_extra_values(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Runs the checks of :meth:`add_extra_tensors` on a downloaded snapshot's tensors (after
+        :meth:`check_snapshot`); raises UntrustedStateError."""
+        first = len(self.opt_params)
+        for start, count, check in self._extra_checks:
+            check(list(tensors[first + start : first + start + count]))
 
     def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """(metadata, tensors) of the whole state; tensors are detached clones on the host."""

@@ -15,8 +15,8 @@ Which file does what:
 - :mod:`.run`: one member's run of one round (a sender task per owner, plus its own part);
 - :mod:`.sender`: the sender's side (its slice of one part to the owner, the average back);
 - :mod:`.owner`: the owner's side (reduce the part it owns, send the average back);
-- :mod:`.reducer`: the weighted mean (or a robust aggregate) of one part over the senders that
-  delivered all of it;
+- :mod:`.reducer`: the weighted mean (or a robust aggregate) of one part, chunk by chunk, each
+  chunk over the senders still in the part when it was complete;
 - :mod:`.aggregators`: CenteredClip, TrimmedMean and the norm bound (pure functions).
 
 Modules of this package import each other by full module path, never through this ``__init__``.

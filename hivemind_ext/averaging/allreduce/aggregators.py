@@ -1,7 +1,8 @@
 """How a part's owner combines the contributions it received: robust aggregators and the norm bound.
 
-Each owner of the butterfly reduces only its own part of the flattened vector, so every rule here
-works per part (as BTARD does: clipping is per part, not over the whole model).
+Each owner of the butterfly reduces only its own part of the flattened vector, and returns each
+chunk of it as soon as the chunk is complete, so every rule here works per chunk (as BTARD clips
+per part, not over the whole model; a chunk is at most ``part_size_bytes``).
 
 - :class:`WeightedMean`: the plain weighted mean (the default; the reducer streams it chunk by chunk
   and never builds the matrix of contributions);
@@ -10,7 +11,7 @@ works per part (as BTARD does: clipping is per part, not over the whole model).
   ``v <- v + sum_i w_i * clip(x_i - v, tau) / sum_i w_i``, where ``clip(u, tau)`` scales ``u`` down
   to norm ``tau`` if it is longer. A contribution moves ``v`` by at most ``tau * w_i / sum w`` per
   iteration, whatever its values. ``tau`` is fixed, or (the default) twice the median distance of
-  the part's contributions to their coordinate-wise median, recomputed for every part of every round;
+  the chunk's contributions to their coordinate-wise median, recomputed for every chunk of every round;
 - :class:`TrimmedMean`: per coordinate, drop the ``trim`` fraction of smallest and largest values
   and take the weighted mean of the rest (cheap; tolerates ``floor(trim * n)`` arbitrary inputs);
 - :func:`norm_outliers`: the sanity bound that is on even with plain averaging: a contribution
@@ -64,8 +65,8 @@ class WeightedMean(Aggregator):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CenteredClip(Aggregator):
     """CenteredClip from the coordinate-wise median, ``iterations`` steps, with a clip radius that is
-    either fixed (``tau``, in the units of the averaged values, per part) or, by default, taken from
-    each part's own spread: ``spread * median_i ||x_i - m||``, where ``m`` is the coordinate-wise
+    either fixed (``tau``, in the units of the averaged values, per chunk) or, by default, taken from
+    each chunk's own spread: ``spread * median_i ||x_i - m||``, where ``m`` is the coordinate-wise
     median of the contributions (:meth:`radius`).
 
     Why adaptive: honest gradients shrink and their spread changes by orders of magnitude over a run

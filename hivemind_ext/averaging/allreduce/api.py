@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from hivemind.p2p import PeerID
@@ -149,13 +149,26 @@ class RoundHooks:
         return message
 
 
+class ContributorRun(NamedTuple):
+    """A range ``[start, end)`` of the flattened tensors (consecutive chunks of one part) and the
+    peers whose values its average holds."""
+
+    start: int
+    end: int
+    contributors: tuple[PeerID, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class PartOutcome:
     """What became of one part, from this peer's point of view.
 
-    ``averaged`` parts hold the weighted mean over ``contributors``. A part that was not averaged
-    (its owner failed, refused or was too slow) holds this peer's own values, and ``contributors``
-    is just this peer (or empty on an auxiliary peer, which has no values of its own).
+    ``averaged`` parts hold the weighted mean over ``contributors`` everywhere, except where
+    ``runs`` says otherwise: owners average and return each chunk as soon as it is complete, so a
+    sender that drops out mid-part is in the chunks averaged before and missing from the rest, and
+    ``runs`` then lists every range with its own contributors (``contributors`` are the peers in
+    all of them). A part that was not averaged (its owner failed, refused or was too slow) holds
+    this peer's own values, and ``contributors`` is just this peer (or empty on an auxiliary peer,
+    which has no values of its own).
     """
 
     owner: PeerID
@@ -164,6 +177,13 @@ class PartOutcome:
     averaged: bool
     contributors: tuple[PeerID, ...]
     reason: str | None = None  # why the part was not averaged
+    runs: tuple[ContributorRun, ...] = ()  # empty: ``contributors`` everywhere in the part
+
+    @property
+    def segments(self) -> tuple[ContributorRun, ...]:
+        """The part as ranges, each with the peers whose values it holds (one range unless a
+        contributor dropped out mid-part)."""
+        return self.runs or (ContributorRun(self.start, self.end, self.contributors),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +245,8 @@ class AllreduceResult:
                     continue
                 if member in self.excluded:
                     missing[member] = self.excluded[member]
+                elif any(member in run.contributors for run in part.runs):
+                    missing[member] = f"its values are in only some chunks of part {part.start}:{part.end}"
                 elif not part.averaged:
                     missing[member] = f"part {part.start}:{part.end} kept local values: {part.reason or 'not averaged'}"
                 else:

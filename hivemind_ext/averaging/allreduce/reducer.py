@@ -1,24 +1,24 @@
 """The owner's side of butterfly all-reduce for one part: the aggregate (by default the weighted
-mean) over the senders that delivered the whole part.
+mean) of each chunk over the senders that delivered it, chunk by chunk.
 
 Senders stream their slice of the part in chunks. Each chunk is decoded, validated (length, dtype,
 finite values) and, for the weighted mean, added to a running weighted sum at once, so reducing
-overlaps receiving. A sender that fails, stalls or misbehaves mid-part is excluded and its chunks
-already added are subtracted again (from the compressed messages it sent, kept until the part is
-finalized), so the result is exactly the weighted mean over the senders that contributed all of
-the part, and says who they are.
+overlaps receiving. A chunk is *ready* once every sender that is not excluded has delivered it;
+:meth:`PartReducer.finalize_chunk` then turns it into its aggregate, which the owner streams back
+while the next chunks are still arriving (so its uplink works while its downlink does). A finalized
+chunk is final: a sender that is excluded later (it fails, stalls or misbehaves mid-part) stays in
+the chunks already finalized and is retracted from the others (they are recomputed from the
+other senders' compressed messages, kept until their chunk is finalized). Each
+:class:`ReducedChunk` says exactly whose values are in it.
 
 The norm bound (:func:`~hivemind_ext.averaging.allreduce.aggregators.norm_outliers`, on by default)
-is checked at :meth:`PartReducer.finalize`: each sender's norm on the part is summed chunk by chunk
-as chunks arrive (the same pass that checks the values are finite), and a sender whose norm is
-absurd next to the group's median is excluded; the mean is then recomputed from the kept messages
-of the others (subtracting a huge contribution from the sum would leave rounding errors of its
-size). A robust aggregator (CenteredClip, TrimmedMean) needs every contribution of the part at
-once: the chunks are only validated on arrival, and the part is aggregated at ``finalize``.
+and the robust aggregators (CenteredClip, TrimmedMean) work per chunk: each sender's norm on the
+chunk is computed on arrival (the same pass that checks the values are finite); at
+:meth:`PartReducer.finalize_chunk` a sender whose norm is absurd next to the chunk's median is
+excluded from the rest of the part (the chunk is recomputed without it, as above). A
+robust aggregator decodes the chunk's contributions into a float32 [senders, chunk] matrix then.
 
-Memory: the compressed chunks of every sender are kept until the part is finalized (one copy of
-the part per sender, in the codec's size); a robust aggregator also decodes them into a float32
-[senders, part size] matrix at ``finalize``.
+Memory: the compressed chunks of every sender are kept until their chunk is finalized.
 """
 
 from __future__ import annotations
@@ -48,11 +48,23 @@ Sender = Hashable
 
 
 @dataclass(frozen=True)
-class ReducedPart:
-    values: torch.Tensor  # float32 [part_size], the aggregate (weighted mean) over contributors
-    contributors: tuple[Sender, ...]  # senders whose whole slice is in `values`, in constructor order
+class ReducedChunk:
+    """One finalized chunk of a part."""
+
+    index: int
+    values: torch.Tensor  # float32 [chunk length], the aggregate over `contributors`
+    contributors: tuple[Sender, ...]  # senders whose values are in `values`, in constructor order
     total_weight: float
-    # senders that delivered the whole part but were left out at finalize (norm bound), with why
+    # senders that delivered this chunk but were left out of it (norm bound), with why
+    rejected: Mapping[Sender, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReducedPart:
+    values: torch.Tensor  # float32 [part_size], the aggregate (weighted mean), chunk by chunk
+    contributors: tuple[Sender, ...]  # senders whose values are in every chunk, in constructor order
+    total_weight: float  # the contributors' total weight
+    # senders left out of some chunk they delivered (norm bound), with why
     rejected: Mapping[Sender, str] = dataclasses.field(default_factory=dict)
 
 
@@ -64,7 +76,7 @@ class PartReducer:
     at tensor boundaries as well (see :mod:`hivemind_ext.averaging.allreduce.layout`).
 
     ``aggregator`` (None: the weighted mean) combines the contributions; ``norm_bound`` (None: off)
-    excludes, at ``finalize``, senders whose norm on the part exceeds that many times the median.
+    excludes, when a chunk is finalized, senders whose norm on it exceeds that many times the median.
     """
 
     def __init__(
@@ -85,12 +97,15 @@ class PartReducer:
         self.num_chunks = len(self.bounds)
         self.weights = {sender: float(weight) for sender, weight in weights.items()}
         self.total = torch.zeros(part_size, dtype=torch.float32, device=self.device)
+        # per sender: the messages of chunks not finalized yet (to retract or recompute them)
         self._received: dict[Sender, dict[int, CompressedTensor]] = {sender: {} for sender in self.weights}
-        self._done: set[Sender] = set(self.weights) if self.num_chunks == 0 else set()
+        self._delivered: dict[Sender, set[int]] = {sender: set() for sender in self.weights}
+        self._norms: dict[Sender, dict[int, float]] = {sender: {} for sender in self.weights}
         self._excluded: dict[Sender, str] = {}
+        self._final: dict[int, ReducedChunk] = {}
+        self._dirty: set[int] = set()  # chunks in the running sum that hold values of an excluded sender
         self.aggregator = check_aggregator(aggregator)
         self.norm_bound = check_norm_bound(norm_bound)
-        self._squares: dict[Sender, float] = dict.fromkeys(self.weights, 0.0)  # squared norm so far
 
     def chunk_length(self, index: int) -> int:
         start, end = self.bounds[index]
@@ -101,24 +116,34 @@ class PartReducer:
         weight with their first message, after the reducer was created)."""
         if sender not in self.weights:
             raise ProtocolError(f"{sender} is not a sender of this part")
-        if sender in self._excluded or (self.num_chunks and sender in self._done) or self._received[sender]:
+        if sender in self._excluded or self._delivered[sender]:
             raise ProtocolError(f"{sender} cannot change its weight after sending chunks")
         if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 <= weight < math.inf:
             raise ProtocolError(f"{sender} declared weight {weight!r:.50}, expected a finite non-negative number")
         self.weights[sender] = float(weight)
 
+    def done(self, sender: Sender) -> bool:
+        """Whether ``sender`` delivered every chunk and was not excluded."""
+        return sender not in self._excluded and len(self._delivered[sender]) == self.num_chunks
+
     def active_senders(self) -> list[Sender]:
-        return [s for s in self.weights if s not in self._excluded and s not in self._done]
+        """Senders neither excluded nor done."""
+        return [s for s in self.weights if s not in self._excluded and not self.done(s)]
 
     @property
     def excluded(self) -> Mapping[Sender, str]:
         return dict(self._excluded)
 
+    @property
+    def finalized(self) -> int:
+        """How many chunks are finalized."""
+        return len(self._final)
+
     def accept(self, sender: Sender, index: int, message: CompressedTensor) -> None:
         """Adds one chunk. Raises ProtocolError (and excludes the sender) if the chunk is invalid."""
         if sender not in self.weights:
             raise ProtocolError(f"{sender} is not a sender of this part")
-        if sender in self._excluded or sender in self._done:
+        if sender in self._excluded or self.done(sender):
             raise ProtocolError(
                 f"{sender} sent a chunk after it was {'excluded' if sender in self._excluded else 'done'}"
             )
@@ -130,19 +155,17 @@ class PartReducer:
         if self.aggregator.streaming:
             start = self.bounds[index][0]
             self.total[start : start + values.numel()].add_(values, alpha=self.weights[sender])
-        self._squares[sender] += norm * norm
-        received = self._received[sender]
-        received[index] = message
-        if len(received) == self.num_chunks:
-            self._done.add(sender)
-            if self.norm_bound is None and self.aggregator.streaming:
-                del self._received[sender]  # nothing left to retract or recompute: release them
+        self._norms[sender][index] = norm
+        self._received[sender][index] = message
+        self._delivered[sender].add(index)
 
     def _validated(self, sender: Sender, index: int, message: CompressedTensor) -> tuple[torch.Tensor, float]:
         if type(index) is not int or not 0 <= index < self.num_chunks:
             raise ProtocolError(f"{sender} sent chunk index {index!r}, expected 0..{self.num_chunks - 1}")
-        if index in self._received[sender]:
+        if index in self._delivered[sender]:
             raise ProtocolError(f"{sender} sent chunk {index} twice")
+        if index in self._final:  # cannot happen to a sender that is not excluded; kept as a guard
+            raise ProtocolError(f"{sender} sent chunk {index} after it was averaged without it")
         expected = self.chunk_length(index)
         if not isinstance(message, CompressedTensor) or message.shape != (expected,):
             shape = getattr(message, "shape", None)
@@ -160,76 +183,101 @@ class PartReducer:
         return values, norm
 
     def exclude(self, sender: Sender, reason: str) -> None:
-        """Removes a sender and retracts whatever it had added; idempotent. A finished sender stays in."""
-        if sender in self._excluded or sender in self._done or sender not in self.weights:
+        """Removes a sender from the chunks not finalized yet, retracting what it added there;
+        idempotent. A sender that has delivered every chunk stays in."""
+        if sender in self._excluded or sender not in self.weights or self.done(sender):
             return
-        received = self._received.pop(sender)
-        for index, message in received.items() if self.aggregator.streaming else ():
-            values = decompress(message, device=self.device).to(torch.float32)
-            start = self.bounds[index][0]
-            self.total[start : start + values.numel()].sub_(values, alpha=self.weights[sender])
+        self._retract(sender, reason)
+
+    def _retract(self, sender: Sender, reason: str) -> None:
+        # its chunks are recomputed from the others' kept messages when finalized: subtracting them
+        # would leave rounding errors of their size (or NaN, for a sum that overflowed)
+        self._dirty.update(self._received.pop(sender, {}))
         self._excluded[sender] = reason
         logger.debug(f"excluded {sender} from a part: {reason}")
 
-    def finalize(self) -> ReducedPart:
-        """The weighted mean; every sender must be done or excluded by now."""
-        pending = self.active_senders()
-        if pending:
-            raise AllreduceError(f"cannot finalize a part while {len(pending)} senders are still pending")
-        contributors = tuple(s for s in self.weights if s in self._done)
-        rejected = self._reject_outliers(contributors)
+    def chunk_ready(self, index: int) -> bool:
+        """Whether chunk ``index`` can be finalized: not yet, and every sender not excluded delivered it."""
+        return index not in self._final and all(
+            index in delivered for sender, delivered in self._delivered.items() if sender not in self._excluded
+        )
+
+    def finalize_chunk(self, index: int) -> ReducedChunk:
+        """The aggregate of chunk ``index`` over the senders not excluded (all of which delivered it),
+        less those the norm bound rejects, who are excluded from the rest of the part. Raises
+        AllreduceError if the chunk is not ready or nobody with a positive weight is left in it."""
+        if not self.chunk_ready(index):
+            raise AllreduceError(f"chunk {index} cannot be finalized: already done, or senders are still pending")
+        start, end = self.bounds[index]
+        contributors = tuple(s for s in self.weights if s not in self._excluded)
+        rejected = self._reject_outliers(index, contributors)
         contributors = tuple(s for s in contributors if s not in rejected)
         total_weight = sum(self.weights[s] for s in contributors)
         if not contributors or total_weight <= 0:
-            raise AllreduceError(f"no sender contributed to this part (excluded: {self._excluded})")
+            raise AllreduceError(f"no sender contributed to chunk {index} (excluded: {self._excluded})")
+        segment = self.total[start:end]
         if not self.aggregator.streaming:
-            values = self._aggregated(contributors)
-        elif rejected:
-            values = self._recomputed_sum(contributors).div_(total_weight)
+            segment.copy_(self._aggregated(index, contributors))
         else:
-            values = self.total.div_(total_weight)
-        self._received.clear()
-        return ReducedPart(values, contributors, total_weight, rejected)
+            if index in self._dirty:
+                self._recompute(index, contributors)
+            segment.div_(total_weight)
+        for received in self._received.values():
+            received.pop(index, None)  # final: nothing left to retract or recompute
+        reduced = ReducedChunk(index, segment, contributors, total_weight, rejected)
+        self._final[index] = reduced
+        return reduced
 
-    def _reject_outliers(self, contributors: tuple[Sender, ...]) -> dict[Sender, str]:
-        """Excludes the contributors whose norm on the part is absurd next to the others' median
+    def finalize(self) -> ReducedPart:
+        """Finalizes every chunk not finalized yet; every sender must be done or excluded by now.
+        The part's contributors are the senders in every chunk."""
+        pending = self.active_senders()
+        if pending:
+            raise AllreduceError(f"cannot finalize a part while {len(pending)} senders are still pending")
+        if self.num_chunks == 0:
+            contributors = tuple(s for s in self.weights if s not in self._excluded)
+            total_weight = sum(self.weights[s] for s in contributors)
+            if not contributors or total_weight <= 0:
+                raise AllreduceError(f"no sender contributed to this part (excluded: {self._excluded})")
+            return ReducedPart(self.total, contributors, total_weight)
+        chunks = [self._final.get(index) or self.finalize_chunk(index) for index in range(self.num_chunks)]
+        common = set.intersection(*(set(chunk.contributors) for chunk in chunks))
+        contributors = tuple(s for s in self.weights if s in common)
+        rejected = {sender: reason for chunk in chunks for sender, reason in chunk.rejected.items()}
+        return ReducedPart(self.total, contributors, sum(self.weights[s] for s in contributors), rejected)
+
+    def _reject_outliers(self, index: int, contributors: tuple[Sender, ...]) -> dict[Sender, str]:
+        """Excludes the contributors whose norm on the chunk is absurd next to the others' median
         (those with weight 0 take no part: their values are not averaged in)."""
         weighed = [s for s in contributors if self.weights[s] > 0]
-        norms = [math.sqrt(self._squares[s]) for s in weighed]
+        norms = [self._norms[s][index] for s in weighed]
         rejected: dict[Sender, str] = {}
-        if self.num_chunks == 0:
-            return rejected
         outliers = norm_outliers(norms, self.norm_bound)
         if outliers:
             median = sorted(norms)[len(norms) // 2]
-            for index in outliers:
-                sender = weighed[index]
+            for position in outliers:
+                sender = weighed[position]
                 rejected[sender] = (
-                    f"its contribution's norm {norms[index]:.3g} exceeds {self.norm_bound:g}x the group's "
-                    f"median norm (~{median:.3g}) on this part"
+                    f"its contribution's norm {norms[position]:.3g} exceeds {self.norm_bound:g}x the group's "
+                    f"median norm (~{median:.3g}) on chunk {index} of this part"
                 )
                 logger.warning(f"excluded {sender} from a part: {rejected[sender]}")
-        self._excluded.update(rejected)
-        self._done.difference_update(rejected)
+        for sender, reason in rejected.items():
+            self._retract(sender, reason)
         return rejected
 
-    def _decoded(self, sender: Sender) -> torch.Tensor:
-        """A sender's whole slice, decoded again from the messages it sent (float32 [part_size])."""
-        values = torch.empty(self.part_size, dtype=torch.float32, device=self.device)
-        for index, message in self._received[sender].items():
-            start, end = self.bounds[index]
-            values[start:end] = decompress(message, device=self.device).to(torch.float32)
-        return values
+    def _decoded(self, sender_messages: Mapping[int, CompressedTensor], index: int) -> torch.Tensor:
+        return decompress(sender_messages[index], device=self.device).to(torch.float32)
 
-    def _recomputed_sum(self, contributors: tuple[Sender, ...]) -> torch.Tensor:
-        total = self.total.zero_()
+    def _recompute(self, index: int, contributors: tuple[Sender, ...]) -> None:
+        start, end = self.bounds[index]
+        segment = self.total[start:end].zero_()
         for sender in contributors:
-            total.add_(self._decoded(sender), alpha=self.weights[sender])
-        return total
+            segment.add_(self._decoded(self._received[sender], index), alpha=self.weights[sender])
 
-    def _aggregated(self, contributors: tuple[Sender, ...]) -> torch.Tensor:
+    def _aggregated(self, index: int, contributors: tuple[Sender, ...]) -> torch.Tensor:
         weighed = [s for s in contributors if self.weights[s] > 0]  # weight 0: not averaged in
-        matrix = torch.stack([self._decoded(s) for s in weighed])  # [senders, part_size]
+        matrix = torch.stack([self._decoded(self._received[s], index) for s in weighed])  # [senders, chunk]
         weights = torch.tensor([self.weights[s] for s in weighed], dtype=torch.float32, device=self.device)
         return self.aggregator.aggregate(matrix, weights)
 

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 from hivemind.p2p import PeerID
 
-from hivemind_ext.averaging.allreduce.api import AllreduceConfig, PartOutcome, RoundHooks
+from hivemind_ext.averaging.allreduce.api import AllreduceConfig, ContributorRun, PartOutcome, RoundHooks
 from hivemind_ext.averaging.allreduce.layout import PartSpec, RoundLayout
 from hivemind_ext.averaging.allreduce.throughput import ReceiveLog, receive_rate
 from hivemind_ext.averaging.matchmaking.group import Member
@@ -289,6 +289,22 @@ class RoundContext:
         """The codec ``chunk`` travels with (see :func:`chunk_codec`) and the chunk's info."""
         info = self.compression_info(chunk, aggregate=aggregate)
         return chunk_codec(self.config.compression, info), info
+
+    def averaged(
+        self, part: PartSpec, first: Sequence[PeerID], chunks: Sequence[Sequence[PeerID]]
+    ) -> PartOutcome:
+        """The outcome of an averaged part: ``first`` the peers in RESULT, ``chunks`` those in each
+        averaged chunk; a part whose chunks differ (a sender dropped out mid-part) lists its runs."""
+        everywhere = tuple(peer for peer in first if all(peer in chunk for chunk in chunks))
+        runs: list[ContributorRun] = []
+        for spec, contributors in zip(part.chunks, chunks, strict=True):
+            start = part.start + spec.offset
+            if runs and runs[-1].contributors == tuple(contributors):
+                runs[-1] = runs[-1]._replace(end=start + spec.numel)
+            else:
+                runs.append(ContributorRun(start, start + spec.numel, tuple(contributors)))
+        owner = self.peers[part.owner]
+        return PartOutcome(owner, part.start, part.end, True, everywhere, None, tuple(runs) if len(runs) > 1 else ())
 
     def not_averaged(self, part: PartSpec, reason: str) -> PartOutcome:
         """The outcome of a part that keeps this member's own values."""

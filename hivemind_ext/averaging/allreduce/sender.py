@@ -3,11 +3,14 @@
 One stream per owner, all owners at once. On each, a background task sends JOIN and the chunks
 (with ``offload_codecs``, chunk i + 1 is compressed in a worker thread while chunk i is written),
 while the calling task waits for the owner's RESULT and decodes each averaged chunk straight into
-the output tensors as it arrives. A NoCompression chunk is written from the caller's tensor
-itself: no copy is made on the way out. Every wait ends by the round's deadline, and writes and
-averaged chunks must also keep moving: a stream on which no byte moves for ``next_chunk_timeout``
-while one is due is given up (a slow link that keeps moving is not). The RESULT itself comes only
-once every sender of the part is done, so only the round's deadline bounds that wait.
+the output tensors as it arrives (the owner sends each averaged chunk as soon as every sender
+still in the part has delivered it, so averages come back while this member is still sending). A
+NoCompression chunk is written from the caller's tensor itself: no copy is made on the way out.
+Every wait ends by the round's deadline, and writes must also keep moving: a stream on which no
+byte of ours moves for ``next_chunk_timeout`` is given up (a slow link that keeps moving is not).
+The averaged chunks depend on the part's slowest sender, so only the round's deadline bounds the
+wait for each of them. Each one says whose values are in it; the part's contributors are the
+senders in every chunk.
 
 Whatever goes wrong with the owner (it is unreachable, refuses, stalls, breaks the protocol or
 sends an invalid average), the part keeps this member's own values and the outcome says so.
@@ -28,7 +31,7 @@ from hivemind_ext.averaging.allreduce.wire import (
     HANDLER_NAME,
     chunk_message,
     join_message,
-    parse_chunk,
+    parse_average,
     parse_result_head,
 )
 from hivemind_ext.averaging.tensor_layout import ChunkSpec
@@ -53,7 +56,7 @@ async def exchange_with_owner(context: RoundContext, client: RPCClient, owner: i
     layout = _layout(context)
     peer, part = context.peers[owner], layout.parts[owner]
     try:
-        contributors = await _exchange(context, client, owner)
+        first, chunks = await _exchange(context, client, owner)
     except Exception as e:  # typed errors from the network and the protocol, or an injected fault
         reason = f"{type(e).__name__}: {e}"
         if not isinstance(e, HivemindExtError):  # not a network or protocol failure: make it visible
@@ -61,10 +64,12 @@ async def exchange_with_owner(context: RoundContext, client: RPCClient, owner: i
         context.tensors.keep_local(part)
         context.exclude(peer, f"owner of part {owner}: {reason}")
         return context.not_averaged(part, reason)
-    return PartOutcome(peer, part.start, part.end, True, contributors)
+    return context.averaged(part, first, chunks)
 
 
-async def _exchange(context: RoundContext, client: RPCClient, owner: int) -> tuple[PeerID, ...]:
+async def _exchange(
+    context: RoundContext, client: RPCClient, owner: int
+) -> tuple[tuple[PeerID, ...], list[tuple[PeerID, ...]]]:
     peer = context.peers[owner]
     stream = await client.open_stream(peer, HANDLER_NAME, deadline=context.deadline, limits=context.limits)
     async with stream, TaskOwner(f"allreduce: sending part {owner} to {peer}") as tasks:
@@ -129,23 +134,29 @@ async def _send(context: RoundContext, stream: ClientStream, message: Message) -
     context.traffic.sent += message.payload_view().nbytes
 
 
-async def _receive_average(context: RoundContext, stream: ClientStream, owner: int) -> tuple[PeerID, ...]:
+async def _receive_average(
+    context: RoundContext, stream: ClientStream, owner: int
+) -> tuple[tuple[PeerID, ...], list[tuple[PeerID, ...]]]:
     """Reads RESULT and the averaged chunks, decoding each into the outputs in a worker thread
-    while the next one arrives; returns the contributors."""
+    while the next one arrives; returns the contributors RESULT names and those of each chunk."""
     part = _layout(context).parts[owner]
-    # RESULT comes once every sender of the part is done: silence until then is normal
-    head = parse_result_head(await _receive(context, stream, None), context.name_set)
-    if context.names[context.me] not in head.contributors:
-        raise ProtocolError("the owner's RESULT does not include this member, which delivered its whole slice")
+    me = context.names[context.me]
+    # RESULT comes once every sender of the part has joined, and each averaged chunk once every
+    # sender still in the part has delivered it: silence until then is normal
+    head = parse_result_head(await _receive(context, stream), context.name_set)
+    if me not in head.contributors:
+        raise ProtocolError("the owner's RESULT does not include this member, which joined the part")
     if head.num_chunks != len(part.chunks):
         raise ProtocolError(f"RESULT announces {head.num_chunks} chunks, the part has {len(part.chunks)}")
     context.learn_gathered(head.gathered)
+    chunks: list[tuple[str, ...]] = []
     decoding: list[asyncio.Future[None]] = []
     try:
         for index, chunk in enumerate(part.chunks):
-            received, compressed = parse_chunk(await _receive(context, stream, context.idle_timeout))
-            if received != index:
-                raise ProtocolError(f"expected averaged chunk {index}, got {received}")
+            compressed, present = parse_average(await _receive(context, stream), head, index)
+            if me not in present:  # an owner that leaves a sender out refuses it instead
+                raise ProtocolError(f"averaged chunk {index} leaves out this member, which delivered it")
+            chunks.append(present)
             decoding.append(context.runner.submit(_decode_into_output, context, chunk, compressed))
         for job in decoding:
             await job
@@ -153,11 +164,12 @@ async def _receive_average(context: RoundContext, stream: ClientStream, owner: i
         if decoding:  # no decoding job may write into the outputs after the caller restores them
             await asyncio.wait(decoding)
         raise
-    return tuple(PeerID.from_base58(name) for name in head.contributors)
+    peers = {name: PeerID.from_base58(name) for name in head.contributors}
+    return tuple(peers.values()), [tuple(peers[name] for name in chunk) for chunk in chunks]
 
 
-async def _receive(context: RoundContext, stream: ClientStream, idle_timeout: float | None) -> Message:
-    message = await stream.receive(deadline=context.deadline, idle_timeout=idle_timeout)
+async def _receive(context: RoundContext, stream: ClientStream) -> Message:
+    message = await stream.receive(deadline=context.deadline)
     if message is None:
         raise ProtocolError("the owner ended the stream before sending the whole average")
     context.traffic.received += message.payload_view().nbytes

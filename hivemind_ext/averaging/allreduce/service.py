@@ -28,9 +28,11 @@ stream per (sender, owner) pair, which then carries the average back (:mod:`.wir
 
 Pipelining: a member sends to all owners at once; an owner reduces each chunk as it arrives
 (decode straight from the received buffer, validate, weighted add), its own slice included
-without the network; once every sender is done or excluded it compresses the average once, and
-every sender's handler streams the chunks back as soon as each is compressed, while senders
-decode them straight into the output tensors as they arrive. No copy is made that the codec does
+without the network; as soon as every sender still in the part has delivered chunk i, it
+compresses chunk i of the average once and every sender's handler streams it back, while the
+next chunks are still arriving (so the owner's uplink works while its downlink does, as with
+hivemind's reducers); senders decode the averaged chunks straight into the output tensors as they
+arrive. No copy is made that the codec does
 not need: NoCompression chunks go out from the caller's tensors and are reduced from the received
 bytes. ``AllreduceConfig.offload_codecs`` moves codec work to worker threads (see there why it is
 off by default).
@@ -49,9 +51,11 @@ Faults (see :mod:`.owner` and :mod:`.sender`): a sender that does not join
 within ``next_chunk_timeout`` of the round's start, sends no byte for ``next_chunk_timeout`` while
 a chunk is due (an idle window: a chunk that keeps coming, however slowly, is waited for), is still
 sending at ``collect_timeout``, breaks the protocol or sends invalid values (wrong shape or dtype,
-undecodable, oversized, NaN / Inf) is excluded from that part and what it added is retracted: the
-part is the exact weighted mean over the senders that delivered all of it, and the result names
-them (``AllreduceResult.missing`` / ``complete`` say whether the whole group is in every part).
+undecodable, oversized, NaN / Inf) is excluded from that part and retracted from every chunk not
+averaged yet: each chunk is the exact weighted mean over the senders it names (a sender that drops
+out mid-part stays in the chunks already sent back; ``PartOutcome.runs`` lists them), and the
+result says who is missing where (``AllreduceResult.missing`` / ``complete`` say whether the whole
+group is in every part).
 A sender whose owner fails keeps its own values for that part. Every wait is bounded by the
 round's deadline (``allreduce_timeout`` from the start, or the caller's ``deadline`` if earlier),
 so a round returns by then plus a fraction of a second, whatever the other members do. Only

@@ -1,18 +1,27 @@
 """The all-reduce wire protocol: the messages on one (sender, owner) stream, built and parsed here.
 
 One streaming call per (sender, owner) pair, handler ``"allreduce"`` of the averager's namespace
-(see :mod:`hivemind_ext.p2p.framing` for frames). The sender is the caller; the owner serves::
+(see :mod:`hivemind_ext.p2p.framing` for frames). The sender is the caller; the owner serves. Both
+directions flow at once: the owner streams each chunk of the average back as soon as every sender
+still in the part has delivered that chunk, while later chunks are still arriving::
 
     sender -> owner:  JOIN, CHUNK x n, END
-    owner  -> sender: RESULT, CHUNK x n, END      (the averaged part, once every sender is done)
+    owner  -> sender: RESULT, AVERAGE x n, END     (RESULT once every sender joined or was excluded)
                   or  REFUSED, END                 (at any time: the sender is not / no longer in the part)
 
-    JOIN     header {"v": 1, "group": bytes, "layout": bytes[16], "weight": float}
+    JOIN     header {"v": 2, "group": bytes, "layout": bytes[16], "weight": float}
              payload msgpack {"gather": bin (the sender's packed gather data), "tensors": [[shape, dtype], ...]}
     CHUNK    header {"tensor": CompressedTensor header, "i": chunk index within the part}, payload: its bytes
     RESULT   header {"contributors": [base58 peer id, ...], "chunks": n}
              payload msgpack {base58 peer id: bin gather data} (every gather the owner holds, its own included)
+    AVERAGE  header {"tensor": ..., "i": chunk index, "from": [position in RESULT's contributors, ...]}
+             payload: the averaged chunk's bytes
     REFUSED  header {"refused": reason}
+
+RESULT's ``contributors`` are the senders in the part when its first chunk was averaged (for a part
+without chunks, those that joined); each AVERAGE says, by strictly increasing positions in that
+list, whose values are in that chunk: a sender that drops out mid-part stays in the chunks averaged
+before, and is missing from the later ones. Averaged chunks come in order.
 
 The sender's identity is the stream's authenticated libp2p peer id, never a header field. The
 owner checks ``layout`` against its own layout fingerprint (peers that disagree on shapes, dtypes,
@@ -23,6 +32,7 @@ bytes its author packed, so the owner never re-encodes (or can alter the meaning
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,7 +46,7 @@ from hivemind_ext.compression import CompressedTensor
 from hivemind_ext.errors import CompressionError, ConfigurationError, ProtocolError
 from hivemind_ext.p2p import Message, pack_tensor, unpack_tensor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: averaged chunks stream back with their own contributor lists
 HANDLER_NAME = "allreduce"
 MAX_GROUP_ID_BYTES = 256
 MAX_REASON_CHARS = 500
@@ -129,6 +139,30 @@ def parse_chunk(message: Message) -> tuple[int, CompressedTensor]:
         raise ProtocolError(f"malformed chunk {index}: {e}") from e
 
 
+def average_message(message: CompressedTensor, index: int, positions: list[int]) -> Message:
+    """Chunk ``index`` of the average; ``positions``: its contributors, as positions in RESULT's list."""
+    return pack_tensor(message, i=index, **{"from": positions})
+
+
+def parse_average(message: Message, head: ResultHead, expected_index: int) -> tuple[CompressedTensor, tuple[str, ...]]:
+    """(averaged chunk, its contributors) from an AVERAGE that must be chunk ``expected_index``; a
+    REFUSED message raises ProtocolError with the owner's reason."""
+    _raise_if_refused(message)
+    index, compressed = parse_chunk(message)
+    if index != expected_index:
+        raise ProtocolError(f"expected averaged chunk {expected_index}, got {index}")
+    positions = message.header.get("from")
+    if not isinstance(positions, list) or not all(type(p) is int for p in positions):
+        raise ProtocolError(f"averaged chunk {index} needs 'from': a list of contributor positions")
+    in_range = all(0 <= p < len(head.contributors) for p in positions)
+    if not in_range or any(a >= b for a, b in itertools.pairwise(positions)):
+        raise ProtocolError(
+            f"averaged chunk {index} lists contributor positions unsorted, twice or outside "
+            f"0..{len(head.contributors) - 1}"
+        )
+    return compressed, tuple(head.contributors[p] for p in positions)
+
+
 def result_message(contributors: list[str], num_chunks: int, gathered: Mapping[str, bytes]) -> Message:
     body = msgpack.packb(dict(gathered), use_bin_type=True)
     return Message({"contributors": contributors, "chunks": num_chunks}, body)
@@ -140,10 +174,8 @@ def refusal_message(reason: str) -> Message:
 
 def parse_result_head(message: Message, members: frozenset[str]) -> ResultHead:
     """The owner's RESULT; a REFUSED message raises ProtocolError with the owner's reason."""
+    _raise_if_refused(message)
     header = message.header
-    if "refused" in header:
-        reason = header["refused"]
-        raise ProtocolError(f"refused: {reason[:MAX_REASON_CHARS] if isinstance(reason, str) else '?'}")
     contributors, num_chunks = header.get("contributors"), header.get("chunks")
     if not isinstance(contributors, list) or not all(isinstance(c, str) and c in members for c in contributors):
         raise ProtocolError("RESULT needs 'contributors': a list of members of the group")
@@ -157,6 +189,12 @@ def parse_result_head(message: Message, members: frozenset[str]) -> ResultHead:
     ):
         raise ProtocolError("RESULT gathered data must map members of the group to bytes")
     return ResultHead(tuple(contributors), num_chunks, gathered)
+
+
+def _raise_if_refused(message: Message) -> None:
+    if "refused" in message.header:
+        reason = message.header["refused"]
+        raise ProtocolError(f"refused: {reason[:MAX_REASON_CHARS] if isinstance(reason, str) else '?'}")
 
 
 def _unpack_map(payload: Any, what: str) -> dict[Any, Any]:

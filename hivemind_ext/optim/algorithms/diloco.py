@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +58,7 @@ import torch
 from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket, NamedTensor
-from hivemind_ext.optim.algorithms.diloco_outer import averaged_by_group, outer_step, round_offset
+from hivemind_ext.optim.algorithms.diloco_outer import OuterRoundsImpl, averaged_by_group, outer_step, round_offset
 from hivemind_ext.optim.algorithms.streaming import OverlappedDiLoCoImpl
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,9 @@ class DiLoCo(Algorithm):
     :param codec: the codec of the pseudo-gradient all-reduce. Default: ``Float16Compression()``:
       pseudo-gradients are differences of parameters, small and tolerant of rounding (the paper
       reports no loss with far coarser quantization), and float16 halves the traffic. Pass
-      ``None`` (or ``NoCompression()``) for exact float32 averaging.
+      ``None`` (or ``NoCompression()``) for exact float32 averaging. With ``overlap``, an
+      :class:`~hivemind_ext.compression.ErrorFeedback` codec (or a codec wrapping one) gets its
+      residuals put back after a round that is not applied, whose pseudo-gradient the next round resends
     :param overlap: run each outer round in the background while the inner steps continue, and apply
       its outer update when it arrives (at most one round late: a round's update is applied before
       that fragment's next round starts, or dropped). Default False: every peer waits for the round
@@ -132,34 +133,18 @@ class DiLoCo(Algorithm):
         return DiLoCoImpl(context, self)
 
 
-class DiLoCoImpl(AlgorithmImpl):
-    """DiLoCo bound to one optimizer. Counters (for tests and logs):
-
-    - ``inner_steps``: inner optimizer steps taken (every ``step()`` but those that load state);
-    - ``rounds``: outer steps applied, however they were computed;
-    - ``swarm_rounds`` / ``solo_rounds``: outer steps on a swarm average / on the local
-      pseudo-gradient because no other peer was around (also after a failed round);
-    - ``failed_rounds``: rounds that failed or mixed round indices (no outer step: this peer retried
-      at the next round's end, or downloaded the state if it was behind);
-    - ``contributing_rounds``: swarm rounds this peer contributed to with a nonzero weight;
-    - ``state_loads``: training states downloaded from peers (late join, catch-up, resync).
+class DiLoCoImpl(OuterRoundsImpl):
+    """DiLoCo bound to one optimizer. Counters: those of :class:`~.diloco_outer.OuterRoundsImpl`
+    (``failed_rounds`` here: rounds that failed or mixed round indices, with no outer step: this peer
+    retried at the next round's end, or downloaded the state if it was behind), and ``last_group_size``.
+    ``history``: per round, (swarm round index after it, how it ended, this peer's weight, group size);
+    how it ended: "swarm" / "solo" (outer steps), "retry" (failed or ahead of the group: no step),
+    "behind" (the group was at a later round: no step, a state download). The phase is
+    ``[inner steps in this round, outer steps]``.
     """
 
-    #: a failed round is retried (the anchors stay in step): no state download (see the module doc)
-    resync_after_failed_round = False
-
     def __init__(self, context: AlgorithmContext, algorithm: DiLoCo) -> None:
-        super().__init__(context)
-        self.algorithm = algorithm
-        self._lock = context.state_lock
-        self._state = context.state
-        self._params: list[torch.Tensor] = list(self._state.opt_params)  # what the inner optimizer updates
-        with self._lock:
-            self.anchor = [p.detach().float().clone() for p in self._params]
-            self.momentum = [torch.zeros_like(a) for a in self.anchor]
-            self.phase = torch.zeros(2, dtype=torch.float32)  # [inner steps in this round, outer steps]
-            # what a late joiner downloads with the parameters (TrainingState.snapshot / load)
-            self._state.extra_tensors.extend([*self.anchor, *self.momentum, self.phase])
+        super().__init__(context, algorithm, phase_size=2)
         self.pseudo_grads = [torch.zeros_like(a) for a in self.anchor]
         self._index = {id(t): i for i, t in enumerate(self.pseudo_grads)}
         # averaged alongside (uncompressed, same round, same weight): the group's mean round index
@@ -170,18 +155,7 @@ class DiLoCoImpl(AlgorithmImpl):
         self.contributing = True  # False from a state download to the end of that round
         self._round_ok: bool | None = None
         self._stepped = False  # whether the last round ended with an outer step
-        self.inner_steps = 0
-        self.rounds = 0
-        self.swarm_rounds = 0
-        self.solo_rounds = 0
-        self.failed_rounds = 0
-        self.contributing_rounds = 0
-        self.state_loads = 0
         self.last_group_size = 0
-        #: per round: (swarm round index after it, how it ended, this peer's weight, group size); how
-        #: it ended: "swarm" / "solo" (outer steps), "retry" (failed or ahead of the group: no step),
-        #: "behind" (the group was at a later round: no step, a state download)
-        self.history: deque[tuple[int, str, float, int]] = deque(maxlen=1000)
 
     # ----- what and how
 

@@ -32,23 +32,29 @@ outer update is at most H inner steps old; :func:`update_is_fresh` is the rule, 
 breaks it is dropped (not applied; the anchor stays). A round that fails (deadline, a dead member, a
 part not averaged, a group at another round index) moves nothing, as in plain DiLoCo: the next
 round's pseudo-gradient covers the whole time since the anchor, or, if the group was at a later
-round, the peer downloads the state.
+round, the peer downloads the state. With an :class:`~hivemind_ext.compression.ErrorFeedback` codec,
+the fragment's residuals are put back as they were before such a round (at the start of the next round
+of that fragment, when no compression of the cancelled one can still be running), so the resent
+pseudo-gradient is not counted twice; another fragment's residuals are left alone.
 
 **State and late joiners.** The anchors, outer momenta and a phase ``[inner step, seconds per inner
 step, round index of each fragment]`` are extra tensors of the training state: a late joiner
 downloads them with the parameters, follows the swarm's schedule from the donor's inner step, and
-sits out (weight 0) the rest of each fragment's current round. The swarm went on while it
-downloaded: it skips as many inner steps as the donor's pace (also in the phase) says the swarm made
-meanwhile (:func:`steps_missed`), and starts at once the rounds that fell due in them. A donor may
-have a round in flight, whose outer update the joiner cannot compute: the joiner then finds itself
-one round behind at its next round of that fragment, in which it takes part with weight 0, so it
-receives the others' average; it keeps that average (and those of the rounds it takes part in until
-then: its own rounds are settled before a download) and downloads the state again; if the donor is
-at one of those rounds, it takes the same outer steps as the donor (:func:`after_download`). (A peer
-whose downloads take far longer than H inner steps keeps missing its groups.) Before a download the
-peer settles its own rounds in flight; a fragment in which it is further than the donor (the donor
-had not yet applied a round that this peer applied) keeps this peer's anchor, momentum, round index
-and parameters.
+sits out (weight 0) each fragment's rounds until one of them applies (a round that fails does not
+say that the joiner is in step, and a contribution at another round index would fail the others'
+round). A phase that no honest peer holds (:func:`check_phase`: NaN, a round index beyond the rounds
+due by the served inner step, ...) is refused before it is adopted: the donor is banned and another
+one asked. The swarm went on while it downloaded: the joiner skips as many inner steps as the
+donor's pace (also in the phase) says the swarm made meanwhile (:func:`steps_missed`), and starts at
+once the rounds that fell due in them. A donor may have a round in flight, whose outer update the
+joiner cannot compute: the joiner then finds itself one round behind at its next round of that
+fragment, in which it takes part with weight 0, so it receives the others' average; it keeps that
+average (and those of the rounds it takes part in until then: its own rounds are settled before a
+download) and downloads the state again; if the donor is at one of those rounds, it takes the same
+outer steps as the donor (:func:`after_download`). (A peer whose downloads take far longer than H
+inner steps keeps missing its groups.) Before a download the peer settles its own rounds in flight;
+a fragment in which it is further than the donor (the donor had not yet applied a round that this
+peer applied) keeps this peer's anchor, momentum, round index and parameters.
 """
 
 from __future__ import annotations
@@ -67,15 +73,23 @@ from hivemind.utils import get_dht_time
 from hivemind_ext.averaging.averager import DecentralizedAverager
 from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.averaging.delta import apply_average, take_snapshot
-from hivemind_ext.errors import HivemindExtError
-from hivemind_ext.optim.algorithms.base import AlgorithmContext, AlgorithmImpl, Bucket, NamedTensor
-from hivemind_ext.optim.algorithms.diloco_outer import OuterSettings, averaged_by_group, outer_step, round_offset
+from hivemind_ext.compression.error_feedback import Snapshot, find_error_feedback
+from hivemind_ext.errors import HivemindExtError, UntrustedStateError
+from hivemind_ext.optim.algorithms.base import AlgorithmContext, Bucket, NamedTensor
+from hivemind_ext.optim.algorithms.diloco_outer import (
+    MAX_COUNT,
+    OuterRoundsImpl,
+    OuterSettings,
+    averaged_by_group,
+    check_count,
+    outer_step,
+    round_offset,
+)
 from hivemind_ext.optim.algorithms.runner import ROUND_ERRORS, bucket_averager
 
 logger = logging.getLogger(__name__)
 
 _STEP, _SECONDS_PER_STEP, _ROUNDS = 0, 1, 2  # positions in the phase tensor
-MAX_COUNT = 1 << 23  # the phase is float32, which counts +1 exactly up to 2**24
 MAX_HELD = 3  # averages of rounds in which a peer was behind, kept per fragment until its download
 
 
@@ -155,6 +169,33 @@ def sanitized_phase(phase: Sequence[float]) -> list[float]:
     return clean
 
 
+def rounds_due(step: int, fragment: int, inner_steps: int, fragments: int) -> int:
+    """How many rounds ``fragment`` started in inner steps 1..``step`` (:func:`round_is_due`)."""
+    offset = fragment_offset(fragment, inner_steps, fragments)
+    if step < max(offset, 1):
+        return 0
+    return (step - offset) // inner_steps + (1 if offset > 0 else 0)
+
+
+def check_phase(phase: Sequence[float], inner_steps: int, fragments: int) -> None:
+    """Refuses a donor's phase ``[inner step, seconds per step, round index per fragment]`` that no honest
+    peer holds (UntrustedStateError; the loader bans the donor and downloads from another): counters
+    that are not whole numbers in [0, MAX_COUNT], a pace that is not a finite non-negative number, or
+    a fragment that applied more rounds than were due by its inner step (with a slack of 2: a peer
+    that kept its own further fragment after a download, :func:`after_download`, can be one round
+    ahead of its donor's step). A huge round index would put the joiner ahead of every group: it would
+    never average again, and a contributing peer at another round index makes the others' rounds fail."""
+    if len(phase) < _ROUNDS:
+        raise UntrustedStateError(f"the downloaded phase has {len(phase)} entries")
+    step = check_count(phase[_STEP], "inner step")
+    pace = phase[_SECONDS_PER_STEP]
+    if not (math.isfinite(pace) and pace >= 0):
+        raise UntrustedStateError(f"the downloaded pace is {pace!r:.40} seconds per step")
+    for f, value in enumerate(phase[_ROUNDS:]):
+        limit = rounds_due(step, f, inner_steps, fragments) + 2
+        check_count(value, f"round index of fragment {f} (at inner step {step})", limit=limit)
+
+
 def after_download(*, mine: int, served: int, held: Collection[int]) -> tuple[str, int]:
     """Per fragment, whose values a peer keeps after a state download (round indices of that fragment),
     and how many held averages it then applies: ``("mine", 0)`` when it was further than the donor (the
@@ -182,6 +223,7 @@ class _Round:
     snapshot: list[torch.Tensor]  # the fragment's parameters when the round started (float32)
     samples: int  # the samples its pseudo-gradient covers
     weight: float
+    residuals: Snapshot | None  # the fragment's error-feedback residuals before the round (see _start)
 
 
 class _Fragment:
@@ -203,51 +245,39 @@ class _Fragment:
         #: the others' round index and average, from a round in which this peer was behind (see _settle)
         self.held: dict[int, list[torch.Tensor]] = {}
         self.catch_up = False  # a download skipped this fragment's due step: start its round at the next
+        #: error-feedback residuals to put back before the next round: those before a round not applied
+        self.unsent_residuals: Snapshot | None = None
 
 
-class OverlappedDiLoCoImpl(AlgorithmImpl):
+class OverlappedDiLoCoImpl(OuterRoundsImpl):
     """DiLoCo with overlapped (and optionally fragmented) outer rounds; see the module docstring.
 
-    Counters (for tests, logs and benchmarks): ``inner_steps``; ``rounds`` (outer updates applied,
-    all fragments); ``swarm_rounds`` / ``solo_rounds``; ``failed_rounds``; ``dropped_rounds`` (stale
-    updates not applied); ``contributing_rounds``; ``state_loads``; ``waited_seconds`` (inner steps
-    held up by the staleness bound or a download); ``bytes_sent``. ``history``: per settled round,
-    (fragment, its round index, how it ended, this peer's weight, group size, age in inner steps); how
-    it ended: "swarm" / "solo" (outer step), "retry" (failed: no step), "behind" (the group was at a
-    later round: a download follows), "stale" (dropped by the staleness bound).
+    Counters: those of :class:`~.diloco_outer.OuterRoundsImpl`, and ``dropped_rounds`` (stale updates
+    not applied), ``waited_seconds`` (inner steps held up by the staleness bound or a download),
+    ``bytes_sent``. ``history``: per settled round, (fragment, its round index, how it ended, this
+    peer's weight, group size, age in inner steps); how it ended: "swarm" / "solo" (outer step),
+    "retry" (failed: no step), "behind" (the group was at a later round: a download follows), "stale"
+    (dropped by the staleness bound).
     """
 
-    resync_after_failed_round = False  # a failed round is retried with the next (see the module doc)
-
     def __init__(self, context: AlgorithmContext, algorithm: OverlapSettings) -> None:
-        super().__init__(context)
-        self.algorithm = algorithm
-        self._lock = context.state_lock
-        self._state = context.state
-        self._params: list[torch.Tensor] = list(self._state.opt_params)
-        groups = fragment_tensors([p.numel() for p in self._params], algorithm.fragments)
-        with self._lock:
-            self.anchor = [p.detach().float().clone() for p in self._params]
-            self.momentum = [torch.zeros_like(a) for a in self.anchor]
-            # [inner step, seconds per inner step, round index of each fragment]
-            self.phase = torch.zeros(_ROUNDS + len(groups), dtype=torch.float32)
-            self._state.extra_tensors.extend([*self.anchor, *self.momentum, self.phase])
+        groups = fragment_tensors([p.numel() for p in context.state.opt_params], algorithm.fragments)
+        # [inner step, seconds per inner step, round index of each fragment]
+        super().__init__(context, algorithm, phase_size=_ROUNDS + len(groups))
         self.fragments = [_Fragment(f, tensors, self.anchor) for f, tensors in enumerate(groups)]
         self._saved: list[tuple[int, list[torch.Tensor]]] | None = None  # see prepare_for_download
         self._download_started: float | None = None
+        self._downloading = False  # prepare_for_download is settling the rounds in flight
         self._closed = False
-        self.inner_steps = 0
-        self.rounds = 0
-        self.swarm_rounds = 0
-        self.solo_rounds = 0
-        self.failed_rounds = 0
         self.dropped_rounds = 0
-        self.contributing_rounds = 0
-        self.state_loads = 0
         self.waited_seconds = 0.0
         self.bytes_sent = 0
-        self.history: deque[tuple[int, int, str, float, int, int]] = deque(maxlen=1000)
         self._step_ends: deque[float] = deque(maxlen=algorithm.inner_steps + 1)  # for round_window
+        #: the codec's error feedback (residuals per fragment: the key is the fragment's bucket name), or None
+        self.error_feedback = find_error_feedback(algorithm.codec)
+
+    def check_downloaded_phase(self, phase: list[float]) -> None:
+        check_phase(phase, self.algorithm.inner_steps, self.algorithm.fragments)
 
     # ----- the schedule
 
@@ -300,6 +330,16 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
 
     def _start(self, fragment: _Fragment) -> None:
         f = fragment.index
+        keys = {fragment.bucket.name}
+        residuals = None
+        if self.error_feedback is not None:
+            # a round that was not applied is resent (the next pseudo-gradient covers it): its residuals
+            # must not count what it "sent" (see ErrorFeedback.snapshot). Put back here, a whole round
+            # after it ended, not when it failed: a cancelled round may still be compressing then
+            if fragment.unsent_residuals is not None:
+                self.error_feedback.restore(fragment.unsent_residuals, keys=keys)
+                fragment.unsent_residuals = None
+            residuals = self.error_feedback.snapshot(keys=keys)
         with self._lock:
             snapshot = take_snapshot([self._params[i] for i in fragment.tensors])
             with torch.no_grad():
@@ -337,7 +377,7 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
         )
         if not isinstance(control, StepControl):
             raise HivemindExtError("a step with wait=False must return its StepControl")
-        fragment.pending = _Round(control, self.step_index, round_index, snapshot, fragment.samples, weight)
+        fragment.pending = _Round(control, self.step_index, round_index, snapshot, fragment.samples, weight, residuals)
 
     def _settle(self, fragment: _Fragment) -> None:
         """Waits for the fragment's round (the round driver: hooks, deadline), then applies its outer
@@ -381,7 +421,8 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
                 fragment.held[round(group_round)] = [pg.clone() for pg in fragment.pseudo_grads]
                 while len(fragment.held) > MAX_HELD:  # the oldest go first
                     fragment.held.pop(min(fragment.held))
-            self.context.request_resync()
+            if not self._downloading:  # (a download is what it needs: no second one right after it)
+                self.context.request_resync()
             self._not_applied(fragment, pending, "behind", group, "was behind the group: downloading its state")
             return
         if offset > 0:
@@ -426,8 +467,12 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
         was behind the group (it then waits for its download)."""
         if kind != "stale":
             self.failed_rounds += 1
-        # behind: its pseudo-gradient starts from an older anchor than the others'; weight 0 until the download
-        fragment.contributing = kind != "behind"
+        fragment.unsent_residuals = pending.residuals
+        # behind: its pseudo-gradient starts from an older anchor than the others'; weight 0 until the download.
+        # A peer that took part with weight 0 (after a download) stays at 0 until a round applies: a failed
+        # round does not tell it that it is in step, and a contribution at another round index than the
+        # group's would fail the others' round
+        fragment.contributing = fragment.contributing and kind != "behind"
         age = self.step_index - pending.started_step
         self.history.append((fragment.index, pending.round_index, kind, pending.weight, group, age))
         logger.log(
@@ -449,7 +494,11 @@ class OverlappedDiLoCoImpl(AlgorithmImpl):
         """Settles the rounds in flight (they write to the state), then remembers each fragment's
         round index, anchors, momenta and parameters: where this peer is further than the donor, it
         keeps its own (see :meth:`on_state_loaded`)."""
-        self.settle()
+        self._downloading = True
+        try:
+            self.settle()
+        finally:
+            self._downloading = False
         self._download_started = time.monotonic()
         with self._lock:
             self._saved = [
