@@ -191,12 +191,18 @@ def wait_until_connected(dhts: list[hivemind.DHT], timeout: float = 30.0) -> Non
 
 
 @contextlib.contextmanager
-def local_swarm(size: int) -> Iterator[list[hivemind.DHT]]:
-    dhts = [hivemind.DHT(start=True, host_maddrs=LOOPBACK)]
+def local_swarm(size: int, **dht_options: Any) -> Iterator[list[hivemind.DHT]]:
+    """``size`` DHTs on loopback, connected; ``dht_options`` go to every ``hivemind.DHT`` (e.g. a longer
+    ``startup_timeout`` for the libp2p daemons of a large swarm on a busy machine)."""
+    dhts = [hivemind.DHT(start=True, host_maddrs=LOOPBACK, **dht_options)]
     try:
         initial_peers = [str(maddr) for maddr in dhts[0].get_visible_maddrs()]
         for _ in range(1, size):
-            dhts.append(hivemind.DHT(start=True, await_ready=False, host_maddrs=LOOPBACK, initial_peers=initial_peers))
+            dhts.append(
+                hivemind.DHT(
+                    start=True, await_ready=False, host_maddrs=LOOPBACK, initial_peers=initial_peers, **dht_options
+                )
+            )
         for dht in dhts:
             dht.wait_until_ready(timeout=30)
         wait_until_connected(dhts)

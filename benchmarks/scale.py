@@ -28,10 +28,17 @@
    distance from the global mean after 2 rounds; mixing of 1,000 hashed peers in groups of 8 over
    3 rounds, next to hivemind's rule (random group bits that move as in hivemind's Moshpit
    averaging, reimplemented in group_key.py: hivemind's own matchmaking cannot be simulated).
+3. Progress records (:mod:`scale_progress`): what one read of the swarm's progress records costs a
+   peer at 8, 16, 32 and 64 peers (simulated writers' signed records in a real DHT, a real
+   ProgressTracker reading them); ``--progress-peers 8 16 32 64`` (not run by default).
+4. Digits training (:mod:`scale_training`, ``--digits 16``, not run by default): 16 peers in rotating
+   groups of ``--digits-group`` (4) against one group of 16, same samples: held-out loss and the
+   spread of parameters.
 
     python benchmarks/scale.py                                   # the default: < 10 min
     python benchmarks/scale.py --no-sim --peers 8 16 32 64 --big-peers      # rotating groups up to 64
     python benchmarks/scale.py --no-sim --peers --big-peers 8 32 64         # one group of everyone
+    python benchmarks/scale.py --no-sim --peers --big-peers --progress-peers 8 16 32 64 --digits 16
 
 All peers share this machine's cores: a swarm's CPU per round grows with N here, where each peer
 of a real swarm brings its own, so wall times at 32 and 64 peers on 2 shared cores measure the
@@ -525,6 +532,40 @@ def mixing(count: int, group: int, rounds: int, rule: str, seed: int = 0) -> flo
     return statistics.pstdev(values.values()) / initial
 
 
+# ----- 3. progress records and 4. 16-peer digits training (their own modules)
+
+
+def progress_results(counts: list[int]) -> list[Result]:
+    """Issue 14 item 3: what one read of the progress records costs a peer at each swarm size."""
+    from scale_progress import measure_progress_reads
+
+    results = []
+    for row in measure_progress_reads(tuple(counts)):
+        case = f"progress records, {row['peers']} peers"
+        results.append(lower_is_better(case, "read ms (median)", row["read_s"] * 1e3, None))
+        results.append(lower_is_better(case, "reader CPU ms", row["cpu_s"] * 1e3, None))
+        results.append(lower_is_better(case, "bytes per read", float(row["bytes"]), None))
+    return results
+
+
+def digits_results(peers: int, group: int, epochs: int) -> list[Result]:
+    """Issue 14: digits training in rotating groups against one group of the whole swarm."""
+    from scale_training import compare_groups
+
+    outcomes = compare_groups(peers=peers, group=group, epochs=epochs)
+    grouped, whole = outcomes[f"groups of {group}"], outcomes["one group"]
+    case = f"digits, {peers} peers, groups of {group} vs one group"
+    ratio = grouped["loss"] / whole["loss"]
+    print(f"{case}: held-out loss ratio {ratio:.4f} (goal <= 1.02)", flush=True)
+    return [
+        lower_is_better(case, "held-out loss, groups", grouped["loss"], None),
+        lower_is_better(case, "held-out loss, one group", whole["loss"], None),
+        lower_is_better(case, "loss ratio groups / one group", ratio, None),
+        lower_is_better(case, "parameter spread, groups", grouped["spread"], None),
+        lower_is_better(case, "parameter spread, one group", whole["spread"], None),
+    ]
+
+
 # ----- main
 
 
@@ -567,12 +608,20 @@ def main() -> None:
     parser.add_argument("--no-ours", action="store_true", help="hivemind's real peers only (no JSON rows for them)")
     parser.add_argument("--no-real", action="store_true", help="only the simulation")
     parser.add_argument("--no-sim", action="store_true", help="only the real peers")
+    parser.add_argument("--progress-peers", type=int, nargs="*", default=[], help="progress records: swarm sizes")
+    parser.add_argument("--digits", type=int, default=0, metavar="PEERS", help="digits training in groups (e.g. 16)")
+    parser.add_argument("--digits-group", type=int, default=4)
+    parser.add_argument("--digits-epochs", type=int, default=12)
     args = parser.parse_args()
     print(describe_machine(), "| load", os.getloadavg(), flush=True)
     results: list[Result] = []
 
     if not args.no_sim:
         results.extend(simulation_rows(args))
+    if args.progress_peers:
+        results.extend(progress_results(args.progress_peers))
+    if args.digits:
+        results.extend(digits_results(args.digits, args.digits_group, args.digits_epochs))
     if not args.no_real:
         results.extend(grouped_rows(args))
         if args.big_peers:

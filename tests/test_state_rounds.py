@@ -13,7 +13,7 @@ import pytest
 import torch
 from swarm import local_swarm
 
-from hivemind_ext.optim.rounds import gathered_epochs
+from hivemind_ext.optim.rounds import MAX_EPOCH_SPREAD_IN_GROUPS, epochs_mix_well, gathered_epochs
 from hivemind_ext.optim.state_averager import TrainingStateAverager
 from hivemind_ext.optim.training_state import TrainingState
 
@@ -28,13 +28,23 @@ def test_round_epochs_reads_only_plain_int_epochs() -> None:
     assert gathered_epochs(None) == set() and gathered_epochs(["not", "a", "dict"]) == set()
 
 
+def test_which_epochs_a_state_round_may_mix() -> None:
+    assert epochs_mix_well(set(), in_groups=False) and epochs_mix_well({3}, in_groups=False)
+    assert not epochs_mix_well({3, 4}, in_groups=False)
+    assert epochs_mix_well({3, 4}, in_groups=True)
+    assert epochs_mix_well({3, 3 + MAX_EPOCH_SPREAD_IN_GROUPS}, in_groups=True)
+    assert not epochs_mix_well({3, 4 + MAX_EPOCH_SPREAD_IN_GROUPS}, in_groups=True)
+
+
 @pytest.fixture(scope="module")
 def pair() -> Iterator[list[hivemind.DHT]]:
     with local_swarm(2) as dhts:
         yield dhts
 
 
-def _averagers(dhts: list[hivemind.DHT], values: tuple[float, float]) -> list[TrainingStateAverager]:
+def _averagers(
+    dhts: list[hivemind.DHT], values: tuple[float, float], in_groups: bool = False
+) -> list[TrainingStateAverager]:
     prefix = f"state-rounds-{next(_prefixes)}"
     averagers = []
     for dht, value in zip(dhts, values, strict=True):
@@ -44,7 +54,13 @@ def _averagers(dhts: list[hivemind.DHT], values: tuple[float, float]) -> list[Tr
         state = TrainingState(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), params=model.parameters())
         averagers.append(
             TrainingStateAverager(
-                state, dht=dht, prefix=prefix, state_lock=threading.RLock(), start=True, target_group_size=2
+                state,
+                dht=dht,
+                prefix=prefix,
+                state_lock=threading.RLock(),
+                start=True,
+                target_group_size=2,
+                in_groups=in_groups,
             )
         )
     return averagers
@@ -63,6 +79,19 @@ def _weights(averagers: list[TrainingStateAverager]) -> list[float]:
 @pytest.mark.parametrize("epochs, applied, expected", [((4, 4), True, [2.0, 2.0]), ((4, 5), False, [1.0, 3.0])])
 def test_rounds_of_different_epochs_are_discarded(pair, epochs, applied, expected) -> None:
     averagers = _averagers(pair, (1.0, 3.0))
+    try:
+        assert _round(averagers, epochs) == [applied, applied]
+        assert _weights(averagers) == pytest.approx(expected)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+@pytest.mark.parametrize("epochs, applied, expected", [((4, 5), True, [2.0, 2.0]), ((4, 7), False, [1.0, 3.0])])
+def test_rounds_in_rotating_groups_may_mix_nearby_epochs(pair, epochs, applied, expected) -> None:
+    # in groups smaller than the swarm, groups keep their own pace: discarding every round that mixed
+    # neighbouring epochs left groups unmixed (before: (4, 5) was discarded as in one group)
+    averagers = _averagers(pair, (1.0, 3.0), in_groups=True)
     try:
         assert _round(averagers, epochs) == [applied, applied]
         assert _weights(averagers) == pytest.approx(expected)

@@ -55,7 +55,7 @@ from hivemind_ext.optim.run_guard import RunGuard
 from hivemind_ext.optim.state_averager import TrainingStateAverager
 from hivemind_ext.optim.state_checks import StateBounds
 from hivemind_ext.optim.state_digests import DigestBoard
-from hivemind_ext.optim.state_trust import make_digest_board, state_trust_options
+from hivemind_ext.optim.state_trust import in_groups, make_digest_board, state_trust_options
 from hivemind_ext.optim.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ class Optimizer(torch.optim.Optimizer):
                 local_epoch=lambda: self.local_epoch,
                 hooks=round_hooks,
                 status_loglevel=self.status_loglevel,
-                in_groups=self.averager_opts.get("target_group_size") is not None,
+                in_groups=in_groups(self),
             )
             self.progress_bar = make_progress_bar(progress, verbose=verbose, tracker=self.tracker, rounds=self.rounds)
             if self._aux is None:

@@ -365,3 +365,25 @@ def gathered_epochs(gathered: Any) -> set[int]:
         if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**62:
             epochs.add(epoch)
     return epochs
+
+
+#: in groups smaller than the swarm, a state round may mix epochs this far apart (see :func:`epochs_mix_well`)
+MAX_EPOCH_SPREAD_IN_GROUPS = 2
+
+
+def epochs_mix_well(epochs: set[int], *, in_groups: bool) -> bool:
+    """Whether a state-averaging round whose members began it at these epochs may be applied.
+
+    In one group of the whole swarm, no: every peer averages at every epoch's end, and an average of
+    parameters from before and after a step would pull peers that are otherwise in step apart. In
+    rotating groups (``target_group_size``) groups keep their own pace, and with background rounds
+    (``delay_state_averaging``) a group that is still averaging one epoch meets peers of the next:
+    discarding those rounds left the groups unmixed for good (8 peers in groups of 4 with local
+    updates: every last round discarded, parameters 0.22 apart after moving 0.71). There any average
+    is a step toward the swarm's mean, and the peers' own progress since the round began is kept
+    (:func:`~hivemind_ext.averaging.delta.apply_average`), so rounds that mix epochs up to
+    ``MAX_EPOCH_SPREAD_IN_GROUPS`` apart (a peer skips an epoch's round while its last one is still
+    pending) are applied; a peer further behind downloads the state instead."""
+    if len(epochs) <= 1:
+        return True
+    return in_groups and max(epochs) - min(epochs) <= MAX_EPOCH_SPREAD_IN_GROUPS

@@ -25,7 +25,7 @@ from hivemind_ext.averaging.control import StepControl
 from hivemind_ext.averaging.delta import apply_average, take_snapshot
 from hivemind_ext.averaging.tensor_layout import TensorSpec
 from hivemind_ext.errors import HivemindExtError
-from hivemind_ext.optim.rounds import gathered_epochs
+from hivemind_ext.optim.rounds import epochs_mix_well, gathered_epochs
 from hivemind_ext.optim.state_checks import StateBounds, check_state_values
 from hivemind_ext.optim.training_state import TrainingState
 
@@ -42,14 +42,18 @@ class TrainingStateAverager(DecentralizedAverager):
         state_lock: threading.RLock,
         state_bounds: StateBounds | None = None,
         swarm_epoch: Callable[[], int] | None = None,
+        in_groups: bool = False,
         **kwargs: Any,
     ) -> None:
         """:param state_bounds: what a downloaded state may hold (see :mod:`.state_checks`)
-        :param swarm_epoch: the swarm's epoch as this peer sees it (bounds a downloaded epoch)"""
+        :param swarm_epoch: the swarm's epoch as this peer sees it (bounds a downloaded epoch)
+        :param in_groups: the swarm averages in rotating groups smaller than itself (the Optimizer's
+          ``target_group_size``): rounds may then mix nearby epochs (:func:`~.rounds.epochs_mix_well`)"""
         self.training_state = training_state
         self.state_lock = state_lock
         self.state_bounds = state_bounds if state_bounds is not None else StateBounds()
         self.swarm_epoch = swarm_epoch
+        self.in_groups = in_groups
         kwargs.setdefault("reject_non_finite_state", True)  # a training state is finite (see check_snapshot)
         with state_lock:
             training_state.ensure_statistics()
@@ -107,7 +111,8 @@ class TrainingStateAverager(DecentralizedAverager):
           can meet in one group (a peer whose previous round is still pending skips an epoch's round);
           their average would mix parameters from before and after a step and pull the peers apart.
           With ``epoch`` given, every member tells its epoch, and a round whose members disagree is
-          discarded by every member alike (see :meth:`apply_round`).
+          discarded by every member alike (see :meth:`apply_round`); ``in_groups``, only when their
+          epochs are far apart (:func:`~hivemind_ext.optim.rounds.epochs_mix_well`).
         """
         if self.round_in_progress:
             raise HivemindExtError("a state averaging round is already running")
@@ -144,7 +149,7 @@ class TrainingStateAverager(DecentralizedAverager):
             return False
         self._round = None
         epochs = gathered_epochs(gathered)
-        if len(epochs) > 1:
+        if not epochs_mix_well(epochs, in_groups=self.in_groups):
             logger.info(f"a state averaging round mixed epochs {sorted(epochs)}: discarded, keeping the local state")
             self._snapshot = None
             return False

@@ -29,19 +29,25 @@ def synchronous_states(optimizer: Optimizer) -> bool:
     default_algorithm = algorithm is None or type(algorithm) is GradientAllReduce
     # in groups smaller than the swarm (target_group_size), each group steps on its own average:
     # peers stay close (rotating groups mix them), not bitwise identical
-    in_groups = optimizer.averager_opts.get("target_group_size") is not None
-    return default_algorithm and not config.use_local_updates and not config.auxiliary and not in_groups
+    return default_algorithm and not config.use_local_updates and not config.auxiliary and not in_groups(optimizer)
+
+
+def in_groups(optimizer: Optimizer) -> bool:
+    """Whether the optimizer's peers average in groups of ``target_group_size`` (rotating groups,
+    see ``averaging.matchmaking.rotation``) rather than in one group of the whole swarm."""
+    return optimizer.averager_opts.get("target_group_size") is not None
 
 
 def state_trust_options(optimizer: Optimizer, bounds: StateBounds | None, common: dict[str, Any]) -> dict[str, Any]:
-    """The TrainingStateAverager keywords for trusting downloads, merged with ``common`` (the user's
-    ``averager_opts`` win)."""
+    """The TrainingStateAverager keywords for trusting downloads and for rounds that mix epochs
+    (``in_groups``), merged with ``common`` (the user's ``averager_opts`` win)."""
     tracker = optimizer.tracker
     return {
         "require_agreement": synchronous_states(optimizer),
         **common,
         "state_bounds": bounds,
         "swarm_epoch": lambda: int(tracker.global_progress.epoch),
+        "in_groups": in_groups(optimizer),
     }
 
 

@@ -41,6 +41,10 @@ failed round (it is in line with the swarm; the average mixed in a stale pseudo-
 Peers must start from the same parameters (the same seed, or a state download), as with any
 gradient-averaging optimizer: DiLoCo averages differences, never the parameters themselves.
 
+In groups smaller than the swarm (``averager_opts=dict(target_group_size=k)``) anchors would part,
+one group's mean pseudo-gradient at a time: each round then also averages the anchor and the outer
+momentum, and rounds that mix round indices are not failures (see :mod:`.outer_mixing`).
+
 With ``overlap=True`` the outer round runs in the background while the inner steps go on, and its
 outer update is applied when it arrives, keeping the inner steps made meanwhile (DiLoCo with a
 one-step delay; Streaming DiLoCo with ``fragments`` > 1): see :mod:`.streaming`.
@@ -59,6 +63,7 @@ from hivemind_ext.compression import Float16Compression
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket, NamedTensor
 from hivemind_ext.optim.algorithms.diloco_outer import OuterRoundsImpl, averaged_by_group, outer_step, round_offset
+from hivemind_ext.optim.algorithms.outer_mixing import OuterStateMixing
 from hivemind_ext.optim.algorithms.streaming import OverlappedDiLoCoImpl
 
 logger = logging.getLogger(__name__)
@@ -150,6 +155,8 @@ class DiLoCoImpl(OuterRoundsImpl):
         # averaged alongside (uncompressed, same round, same weight): the group's mean round index
         # tells a peer whether it averaged with peers of another round (see optimizer_step)
         self.round_check = torch.zeros(1, dtype=torch.float32)
+        #: in groups smaller than the swarm, each round also averages the anchor and momentum (see .outer_mixing)
+        self.mixing = OuterStateMixing(self.anchor, self.momentum) if context.rounds.in_groups else None
         self.steps_in_round = 0
         self.samples_in_round = 0
         self.contributing = True  # False from a state download to the end of that round
@@ -160,16 +167,27 @@ class DiLoCoImpl(OuterRoundsImpl):
     # ----- what and how
 
     def init_tensors(self) -> list[NamedTensor]:
-        return [(f"pseudo_grad{i}", t) for i, t in enumerate(self.pseudo_grads)] + [("round_check", self.round_check)]
+        outer = self.mixing.named_tensors() if self.mixing is not None else []
+        grads = [(f"pseudo_grad{i}", t) for i, t in enumerate(self.pseudo_grads)]
+        return [*grads, ("round_check", self.round_check), *outer]
 
     def tensors_to_buckets(self, tensors: Sequence[NamedTensor]) -> list[list[NamedTensor]]:
+        def outer(tensor: torch.Tensor) -> bool:
+            return self.mixing is not None and self.mixing.owns(tensor)
+
         check = [(name, t) for name, t in tensors if t is self.round_check]
-        return [*super().tensors_to_buckets([(name, t) for name, t in tensors if t is not self.round_check]), check]
+        grads = [(name, t) for name, t in tensors if t is not self.round_check and not outer(t)]
+        mixed = [(name, t) for name, t in tensors if outer(t)]
+        return [*super().tensors_to_buckets(grads), check, *(super().tensors_to_buckets(mixed) if mixed else [])]
 
     def init_operations(self, bucket: Bucket) -> None:
         if bucket.tensors[0] is self.round_check:
             bucket.append_python(self._load_round_check)
             bucket.append_average(None, weight=self.round_weight)
+            return
+        if self.mixing is not None and self.mixing.owns(bucket.tensors[0]):
+            bucket.append_python(self._load_outer_state)
+            bucket.append_average(None, weight=self.round_weight)  # float32: see .outer_mixing
             return
         bucket.append_python(self._load_pseudo_gradients)
         bucket.append_average(self.algorithm.codec, weight=self.round_weight)
@@ -181,6 +199,11 @@ class DiLoCoImpl(OuterRoundsImpl):
 
     def _load_round_check(self, bucket: Bucket) -> None:
         self.round_check.fill_(float(self.round_index))
+
+    def _load_outer_state(self, bucket: Bucket) -> None:
+        if self.mixing is not None:
+            with self._lock:
+                self.mixing.load()
 
     def _load_pseudo_gradients(self, bucket: Bucket) -> None:
         with self._lock, torch.no_grad():
@@ -225,10 +248,14 @@ class DiLoCoImpl(OuterRoundsImpl):
     def optimizer_step(self) -> None:
         """The outer step after a round that averaged with peers of this round index; otherwise none
         (the runner holds the state lock and publishes the parameters after it)."""
-        offset = round_offset(float(self.round_check.item()), self.round_index) if self._round_ok else 0
+        # mixed outer states average peers of any round index into one state (see .outer_mixing)
+        checked = self._round_ok and self.mixing is None
+        offset = round_offset(float(self.round_check.item()), self.round_index) if checked else 0
         weight, group = self.round_weight(), self.last_group_size
         self._stepped = False
         if self._round_ok and offset == 0:
+            if self.mixing is not None:
+                self.mixing.adopt()  # the group's mean anchor and momentum: the step below is the group's
             self._outer_step(self.pseudo_grads)
             self._stepped = True
             self.swarm_rounds += 1

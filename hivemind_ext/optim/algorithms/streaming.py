@@ -85,6 +85,7 @@ from hivemind_ext.optim.algorithms.diloco_outer import (
     outer_step,
     round_offset,
 )
+from hivemind_ext.optim.algorithms.outer_mixing import OuterStateMixing
 from hivemind_ext.optim.algorithms.runner import ROUND_ERRORS, bucket_averager
 
 logger = logging.getLogger(__name__)
@@ -229,7 +230,9 @@ class _Round:
 class _Fragment:
     """Tensors whose rounds go together: buffers for the all-reduce, the round in flight."""
 
-    def __init__(self, index: int, tensors: list[int], anchors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, index: int, tensors: list[int], anchors: Sequence[torch.Tensor], mixing: OuterStateMixing | None = None
+    ) -> None:
         self.index = index
         self.tensors = tensors
         self.pseudo_grads = [torch.zeros_like(anchors[i]) for i in tensors]
@@ -237,6 +240,9 @@ class _Fragment:
         self.bucket = Bucket(f"f{index}", named)
         # averaged alongside, uncompressed, same weight: the group's mean round index (see round_offset)
         self.check = Bucket(f"f{index}check", [("round_check", torch.zeros(1))])
+        # in groups smaller than the swarm: the fragment's anchors and momenta, averaged too (see .outer_mixing)
+        self.mixing = mixing
+        self.outer = mixing.bucket(f"f{index}outer") if mixing is not None else None
         self.averager: DecentralizedAverager | None = None
         self.pending: _Round | None = None
         self.samples = 0  # samples of inner steps since the anchor's snapshot
@@ -264,7 +270,11 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         groups = fragment_tensors([p.numel() for p in context.state.opt_params], algorithm.fragments)
         # [inner step, seconds per inner step, round index of each fragment]
         super().__init__(context, algorithm, phase_size=_ROUNDS + len(groups))
-        self.fragments = [_Fragment(f, tensors, self.anchor) for f, tensors in enumerate(groups)]
+        in_groups = context.rounds.in_groups
+        self.fragments = [
+            _Fragment(f, tensors, self.anchor, self._mixing(tensors) if in_groups else None)
+            for f, tensors in enumerate(groups)
+        ]
         self._saved: list[tuple[int, list[torch.Tensor]]] | None = None  # see prepare_for_download
         self._download_started: float | None = None
         self._downloading = False  # prepare_for_download is settling the rounds in flight
@@ -278,6 +288,9 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
 
     def check_downloaded_phase(self, phase: list[float]) -> None:
         check_phase(phase, self.algorithm.inner_steps, self.algorithm.fragments)
+
+    def _mixing(self, tensors: Sequence[int]) -> OuterStateMixing:
+        return OuterStateMixing([self.anchor[i] for i in tensors], [self.momentum[i] for i in tensors])
 
     # ----- the schedule
 
@@ -353,16 +366,21 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
             self.solo_rounds += 1
             self.history.append((f, round_index, "solo", weight, 1, 0))
             return
+        outer = [fragment.outer] if fragment.outer is not None else []
         if fragment.averager is None:
             fragment.averager = bucket_averager(
                 self.context,
                 f"stream{self.algorithm.fragments}f{f}",
-                [fragment.bucket, fragment.check],
-                [self.algorithm.codec, None],
+                [fragment.bucket, fragment.check, *outer],
+                [self.algorithm.codec, None, *(None for _ in outer)],
             )
         with fragment.averager.get_tensors():
             fragment.bucket.pack()
             fragment.check.flat.fill_(float(round_index))
+            if fragment.mixing is not None and fragment.outer is not None:
+                with self._lock:
+                    fragment.mixing.load()
+                fragment.outer.pack()
         # the group waits for peers that lag by up to one round's window (e.g. a late joiner, which lags
         # by its download): they reach this round's step that much later, and would otherwise meet the
         # others only at their next round, at another round index
@@ -405,6 +423,8 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         with averager.get_tensors():
             fragment.bucket.unpack()
             group_round = float(fragment.check.flat.item())
+            if fragment.outer is not None:
+                fragment.outer.unpack()
         me = str(self.context.dht.peer_id)
         if not math.isfinite(group_round):  # a member sent garbage for its round index: trust nothing of it
             self._not_applied(fragment, pending, "retry", group, "averaged a round index that is not a number")
@@ -412,7 +432,8 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         if group > 1 and report is not None and not averaged_by_group(report, me, pending.weight > 0):
             self._not_applied(fragment, pending, "retry", group, "did not average every part")
             return
-        offset = round_offset(group_round, pending.round_index)
+        # mixed outer states average peers of any round index into one state (see .outer_mixing)
+        offset = round_offset(group_round, pending.round_index) if fragment.mixing is None else 0
         if offset < 0:
             # the group was at a later round: this peer missed one; the download replaces this fragment.
             # With weight 0 the group's mean is the others' round index k and this peer received their
@@ -440,6 +461,9 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
             self.dropped_rounds += 1
             self._not_applied(fragment, pending, "stale", group, f"is stale ({age} inner steps): dropped")
             return
+        if fragment.mixing is not None:
+            with self._lock:
+                fragment.mixing.adopt()  # the group's mean anchors and momenta: the step below is the group's
         self._apply(fragment, fragment.pseudo_grads, pending.snapshot, pending.samples)
         self.swarm_rounds += 1
         if fragment.contributing and pending.weight > 0:
