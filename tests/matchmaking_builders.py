@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 from hivemind_ext.averaging.matchmaking.group import Board, Declaration, MatchmakingConfig, Member
+from hivemind_ext.averaging.matchmaking.simulation import simulated_member
+from hivemind_ext.averaging.matchmaking.simulation import simulated_peer_id as peer
 
-_BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"  # in ASCII order
-
-
-def peer(index: int) -> str:
-    """A valid base58 peer id whose string order is the order of ``index``."""
-    digits = []
-    for _ in range(6):
-        index, digit = divmod(index, 58)
-        digits.append(_BASE58[digit])
-    return "12D3KooW" + "".join(reversed(digits))
+__all__ = ["board_of", "config", "declaration", "member", "peer"]
 
 
 def member(index: int, *, attempt: int = 0, client_mode: bool = False, auxiliary: bool = False) -> Member:
-    return Member(peer(index), f"{index:08x}{attempt:08x}", 1.0, client_mode, auxiliary)
+    return simulated_member(index, attempt=attempt, bandwidth=1.0, client_mode=client_mode, auxiliary=auxiliary)
 
 
 def declaration(

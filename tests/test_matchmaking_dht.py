@@ -7,26 +7,49 @@ own prefix, so records of one test never meet another's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import math
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
 
 import hivemind
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
-from swarm import addresses, local_swarm, new_peer
+from swarm import addresses, local_swarm, new_peer, new_test_loop
 
 from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
 from hivemind_ext.averaging.matchmaking.board import board_key, parse_board
-from hivemind_ext.averaging.matchmaking.group import GroupInfo, MatchmakingConfig
+from hivemind_ext.averaging.matchmaking.confirmation import (
+    HANDLER,
+    Confirmations,
+    commit_answer,
+    confirmation_request,
+)
+from hivemind_ext.averaging.matchmaking.group import (
+    Commit,
+    GroupInfo,
+    MatchmakingConfig,
+    Member,
+    SealedGroup,
+    group_id_for,
+)
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker
-from hivemind_ext.errors import ConfigurationError, MatchmakingError
+from hivemind_ext.errors import ConfigurationError, MatchmakingError, MessageTooLargeError
+from hivemind_ext.p2p.client import RPCClient
+from hivemind_ext.p2p.loop_thread import LoopThread
+from hivemind_ext.p2p.messages import Message
+from hivemind_ext.p2p.server import RPCServer
+from hivemind_ext.p2p.serving import RPCContext
 from hivemind_ext.p2p.signing import OwnerBook, default_signing_key
 
 pytestmark = pytest.mark.slow
 
+T = TypeVar("T")
 SWARM_SIZE = 8
 AUXILIARY, CLIENT = 6, 7  # roles of two peers of the swarm
 
@@ -290,3 +313,181 @@ def test_peers_use_their_shards_boards_and_lonely_ones_meet_on_a_coarser_one(swa
     root = asyncio.run(_board(swarm[0], name))  # the lonely peers fell back to the prefix's board
     assert {key[0] for key in root.markers} == peer_ids(swarm, (4, 5))
     assert all(read[i] for i in digits), "every peer counted its reads"
+
+
+# ---------------------------------------------------------------- direct confirmations (one call to the leader)
+
+
+@dataclasses.dataclass
+class Network:
+    """One libp2p replica per DHT of the swarm, on one loop for the rest of the module (hivemind 1.1.12
+    cannot reach handlers that a replica registers after another replica of the daemon was shut down)."""
+
+    runner: LoopThread
+    p2ps: list[P2P]
+    servers: list[RPCServer]
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return self.runner.run(coro, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def network(swarm) -> Iterator[Network]:
+    runner = LoopThread("matchmaking-direct-tests", loop=new_test_loop())
+
+    async def start() -> tuple[list[P2P], list[RPCServer]]:
+        p2ps = [await dht.replicate_p2p() for dht in swarm]
+        return p2ps, [RPCServer(p2p, "mm-tests") for p2p in p2ps]
+
+    async def stop(p2ps: list[P2P], servers: list[RPCServer]) -> None:
+        for server in servers:
+            await server.shutdown()
+        for p2p in p2ps:
+            await p2p.shutdown()
+
+    try:
+        p2ps, servers = runner.run(start(), timeout=120)
+        yield Network(runner, p2ps, servers)
+        runner.run(stop(p2ps, servers), timeout=120)
+    finally:
+        runner.stop()
+
+
+class LyingDesk(Confirmations):
+    """A leader that answers every confirmation with the commit of a group it made up."""
+
+    async def answer(self, request: Message, context: RPCContext) -> Message:
+        made_up = Commit("ab" * 16, ((context.peer_id.to_base58(), "0" * 16),))
+        return Message(commit_answer(made_up))
+
+
+class SilentDesk(Confirmations):
+    """A leader that takes confirmations and never answers them (the server ends each call at its deadline)."""
+
+    async def answer(self, request: Message, context: RPCContext) -> Message:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def _desks(network: Network, indices: Sequence[int], desk_of: dict[int, type[Confirmations]]):
+    """A fresh scope per test (its handlers go away with it) and one desk per peer."""
+    namespace = f"mm-{secrets.token_hex(4)}"
+    scopes = [network.servers[i].scope(namespace) for i in indices]
+    desks = []
+    for i, scope in zip(indices, scopes, strict=True):
+        desk = desk_of.get(i, Confirmations)(RPCClient(network.p2ps[i], namespace), scope)
+        await desk.start()
+        desks.append(desk)
+    return scopes, desks
+
+
+def direct_matchmakers(swarm, indices, desks, name: str, **overrides) -> list[Matchmaker]:
+    return [
+        Matchmaker(matchmaker(swarm, i, name, **overrides).config, dht=swarm[i], confirmations=desk)
+        for i, desk in zip(indices, desks, strict=True)
+    ]
+
+
+def by_peer_id(swarm, indices: Sequence[int]) -> list[int]:
+    return sorted(indices, key=lambda i: swarm[i].peer_id.to_base58())
+
+
+@pytest.mark.timeout(60)
+def test_members_confirm_with_their_leader_by_one_call(swarm, network) -> None:
+    indices, name = (0, 1, 2, 3), prefix()
+
+    async def scenario():
+        scopes, desks = await _desks(network, indices, {})
+        try:
+            started = time.perf_counter()
+            results = await look(direct_matchmakers(swarm, indices, desks, name), timeout=20)
+            return results, time.perf_counter() - started, desks
+        finally:
+            for scope in scopes:
+                await scope.shutdown()
+
+    results, elapsed, desks = network.run(scenario())
+    (group,) = groups_of(results).values()
+    assert {m.peer_id for m in group.members} == peer_ids(swarm, indices)
+    board = asyncio.run(_board(swarm[4], name))
+    assert all(sealed.direct for sealed in board.sealed.values()), "a leader that serves the desk seals direct"
+    assert sum(desk.refused for desk in desks) == 0
+    print(f"4 peers, direct confirmations: group formed in {elapsed * 1000:.0f} ms")
+    assert elapsed < 2.0
+
+
+@pytest.mark.timeout(60)
+def test_the_leader_refuses_forged_replayed_and_oversized_confirmations(swarm, network) -> None:
+    leader, member, stranger = by_peer_id(swarm, (0, 1, 2))
+    ids = {i: swarm[i].peer_id.to_base58() for i in (leader, member, stranger)}
+    members = (Member(ids[leader], "0" * 16), Member(ids[member], "1" * 16))
+    sealed = SealedGroup(group_id_for(members), members, get_dht_time() + 5, direct=True)
+
+    async def scenario():
+        scopes, (desk, member_desk, stranger_desk) = await _desks(network, (leader, member, stranger), {})
+        try:
+            desk.open(sealed)
+            raw = stranger_desk.client
+            to_leader = functools.partial(raw.call, swarm[leader].peer_id, HANDLER, timeout=5)
+            answers = [
+                # the stranger confirms for the member (whose attempt it read on the board)
+                await to_leader(Message(confirmation_request(sealed.group_id, members[1].key))),
+                await to_leader(Message({"group": sealed.group_id, "peer": ids[stranger], "attempt": 7})),
+                await to_leader(Message(confirmation_request(sealed.group_id, (ids[stranger], "2" * 16)))),
+                await to_leader(Message(confirmation_request("cd" * 16, (ids[stranger], "2" * 16)))),
+            ]
+            with pytest.raises(MessageTooLargeError):
+                await to_leader(Message({"group": "x" * 5000}))
+            assert desk.confirmed(sealed.group_id) == frozenset()  # nobody could confirm for the member
+            honest = asyncio.create_task(member_desk.confirm(sealed, members[1].key, timeout=5))
+            await _until_true(lambda: bool(desk.confirmed(sealed.group_id)))
+            desk.settle(Commit(sealed.group_id, (members[0].key, members[1].key)))
+            commit = await honest
+            # a confirmation replayed after the commit gets that commit, which does not list the stranger
+            late = await to_leader(Message(confirmation_request(sealed.group_id, (ids[stranger], "2" * 16))))
+            return answers, commit, late, desk.refused
+        finally:
+            for scope in scopes:
+                await scope.shutdown()
+
+    answers, commit, late, refused = network.run(scenario())
+    assert all(set(answer.header) == {"error"} for answer in answers), answers
+    assert "another peer" in answers[0].header["error"] and "not a member" in answers[2].header["error"]
+    assert refused == 4
+    assert commit.members == (members[0].key, members[1].key)
+    assert late.header["members"] == [list(members[0].key), list(members[1].key)]
+
+
+async def _until_true(condition, timeout: float = 10.0) -> None:
+    stop = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < stop, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("desk", [LyingDesk, SilentDesk])
+def test_honest_peers_leave_a_hostile_leader_and_regroup(swarm, network, desk) -> None:
+    indices, name = by_peer_id(swarm, (0, 1, 2, 3)), prefix()
+    hostile, honest = indices[0], indices[1:]  # the lowest peer id leads the group of the four
+
+    async def scenario():
+        scopes, desks = await _desks(network, indices, {hostile: desk})
+        matchmakers = direct_matchmakers(swarm, indices, desks, name, min_matchmaking_time=1.5)
+        try:
+            started = time.perf_counter()
+            hostile_task = asyncio.create_task(matchmakers[0].look_for_group(deadline=get_dht_time() + 6))
+            results = await look(matchmakers[1:], timeout=15)
+            elapsed = time.perf_counter() - started
+            hostile_task.cancel()
+            await asyncio.gather(hostile_task, return_exceptions=True)
+            return results, elapsed
+        finally:
+            for scope in scopes:
+                await scope.shutdown()
+
+    results, elapsed = network.run(scenario())
+    (group,) = groups_of(results).values()
+    assert {m.peer_id for m in group.members} == peer_ids(swarm, honest)
+    print(f"{desk.__name__}: the honest peers regrouped in {elapsed * 1000:.0f} ms")
+    assert elapsed < 10.0

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import random
-import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -33,15 +31,14 @@ from hivemind_ext.averaging.matchmaking.group import (
 from hivemind_ext.averaging.matchmaking.protocol import (
     EAGER_POLLS,
     RECORD_LIFETIME,
-    URGENT_POLL_FRACTION,
     Following,
     Leading,
     Looking,
-    State,
     next_attempt,
     step,
     withdrawal,
 )
+from hivemind_ext.averaging.matchmaking.simulation import LaggingDHT, SimulatedRound, simulate_round, simulated_peer_id
 
 NOW = 50.0
 
@@ -53,10 +50,10 @@ def fresh(index: int, **kwargs) -> Declaration:
 
 def board_after(*writes: Write, board: Board | None = None, now: float = NOW) -> Board:
     """What a reader sees once ``writes`` landed on top of ``board`` (the later expiration wins)."""
-    dht = SimDHT(seed=0, max_lag=0.0)
+    dht = LaggingDHT(seed=0, max_lag=0.0)
     for write in (*_as_writes(board or Board()), *writes):
-        dht.store(write, now)
-    return parse_board("run", dht.read(0, now), now)
+        dht.store("run", write, now)
+    return parse_board("run", dht.read("run", "reader", now), now)
 
 
 def _as_writes(board: Board) -> list[Write]:
@@ -135,9 +132,10 @@ def test_commit_time_leaves_the_nearest_deadline_one_poll() -> None:
     assert sealed.commit_by == NOW + 0.5 - cfg.poll_interval
 
 
-def _sealed_by_leader(cfg: MatchmakingConfig, count: int = 4):
-    board = board_of(*(declaration(i) for i in range(1, count)))
-    result = step(Looking(fresh(0)), NOW, board, cfg)
+def _sealed_by_leader(cfg: MatchmakingConfig, count: int = 4, ready_at: float = 100.0):
+    """Peer 0 seals a group of ``count``: a full one before their scheduled time by default."""
+    board = board_of(*(declaration(i, ready_at=ready_at) for i in range(1, count)))
+    result = step(Looking(fresh(0, ready_at=ready_at)), NOW, board, cfg)
     return result.state, board_after(*result.writes, board=board)
 
 
@@ -184,16 +182,55 @@ def test_the_leader_commits_once_everyone_confirmed_and_members_read_the_same_gr
 
 def test_the_leader_commits_early_without_members_that_went_elsewhere() -> None:
     cfg = config()
-    leading, board = _sealed_by_leader(cfg)
+    leading, board = _sealed_by_leader(cfg, ready_at=NOW)  # sealed at the scheduled time: any size goes
     board = _confirm(board, leading.group, (1, 2))
     board = board_after(marker_write(member(3).key, "ef" * 16, 1_000.0), board=board)
     result = step(leading, NOW + 0.1, board, cfg)
     assert [m.peer_id for m in result.group.members] == [member(i).peer_id for i in range(3)]
 
 
-def test_the_leader_commits_whoever_confirmed_at_the_commit_time() -> None:
+def test_a_full_group_sealed_before_the_scheduled_time_commits_only_whole() -> None:
+    # a member went elsewhere (two leaders with different views): committing the other three would
+    # leave the peers this group was to be paired with short of a full group until their scheduled time
     cfg = config()
     leading, board = _sealed_by_leader(cfg)
+    assert leading.full_until == 100.0
+    board = _confirm(board, leading.group, (1, 2))
+    board = board_after(marker_write(member(3).key, "ef" * 16, 1_000.0), board=board)
+    result = step(leading, NOW + 0.1, board, cfg)
+    assert result.group is None and isinstance(result.state, Looking)
+    assert next(w for w in result.writes if w.subkey.startswith("c/")).value == {"members": []}
+    # once the scheduled time has come, the same leader commits whoever confirmed
+    late = step(replace(leading, full_until=NOW), NOW + 0.1, board, cfg)
+    assert late.group is not None and late.group.size == 3
+
+
+def test_a_leader_listed_by_a_lower_leader_gives_way_and_joins_that_group() -> None:
+    cfg = config()
+    leading, board = _sealed_by_leader(cfg, count=4)  # peer 0 leads peers 0-3
+    # peer 2 also sealed (it saw other peers): it is listed in peer 0's group, so it gives way
+    mine = _sealed([member(2), member(5), member(6), member(7)])
+    me = Leading(declaration(2), mine)
+    result = step(me, NOW + 0.1, board_after(sealed_write(mine, 1_000.0), board=board), cfg)
+    assert isinstance(result.state, Following) and result.state.group == leading.group
+    abandon, confirm = result.writes
+    assert abandon.subkey == f"c/{mine.group_id}" and abandon.value == {"members": []}
+    assert confirm.value == {"state": "joined", "group": leading.group.group_id}
+    # the lower leader waits for it meanwhile, though its marker still names its own group
+    board = _confirm(board_after(sealed_write(mine, 1_000.0), board=board), leading.group, (1, 3))
+    board = board_after(marker_write(member(2).key, mine.group_id, 1_000.0), board=board)
+    assert step(leading, NOW + 0.1, board, cfg).group is None
+    # a member of the abandoned group joins another open group that lists it instead of looking again
+    follower = Following(declaration(5), mine)
+    other = _sealed([member(4), member(5)])
+    board = board_after(commit_write(Commit(mine.group_id, ()), 1_000.0), sealed_write(other, 1_000.0), board=board)
+    moved = step(follower, NOW + 0.2, board, cfg)
+    assert isinstance(moved.state, Following) and moved.state.group == other
+
+
+def test_the_leader_commits_whoever_confirmed_at_the_commit_time() -> None:
+    cfg = config()
+    leading, board = _sealed_by_leader(cfg, ready_at=NOW)
     board = _confirm(board, leading.group, (2,))
     assert step(leading, leading.group.commit_by - 0.01, board, cfg).group is None
     result = step(leading, leading.group.commit_by, board, cfg)
@@ -283,50 +320,6 @@ def test_next_attempt_is_deterministic_and_new() -> None:
 # ---------------------------------------------------------------- many peers over a simulated DHT
 
 
-@dataclass
-class SimPeer:
-    state: State
-    next_time: float
-    group: GroupInfo | None = None
-    gave_up: bool = False
-
-
-@dataclass
-class SimDHT:
-    """One DHT key: every write is kept with its time, and each read sees a lagging view of them.
-
-    ``per_record=False``: a read sees every write older than one lag drawn for that read (replicas
-    that each apply stores in order). ``per_record=True``: every version of every record reaches
-    every reader after its own lag, so a reader may see a marker before the group it refers to.
-    """
-
-    seed: int
-    max_lag: float
-    per_record: bool = False
-    versions: dict[str, list[tuple[float, dict, float]]] = field(default_factory=dict)
-
-    def store(self, write: Write, now: float) -> None:
-        history = self.versions.setdefault(write.subkey, [])
-        if not history or write.expiration_time > max(e for _, _, e in history):
-            history.append((now, write.value, write.expiration_time))
-
-    def read(self, reader: int, now: float) -> list[tuple[str, dict, float]]:
-        entries = []
-        read_lag = self._lag(f"{reader}/{now}")
-        for subkey, history in self.versions.items():
-            arrived = [
-                (value, expiration)
-                for i, (written, value, expiration) in enumerate(history)
-                if written + (self._lag(f"{subkey}/{i}/{reader}") if self.per_record else read_lag) <= now
-            ]
-            if arrived:
-                entries.append((subkey, *arrived[-1]))
-        return entries
-
-    def _lag(self, what: str) -> float:
-        return self.max_lag * (zlib.crc32(f"{self.seed}/{what}".encode()) / 2**32)
-
-
 def simulate(
     count: int,
     cfg: MatchmakingConfig,
@@ -336,46 +329,26 @@ def simulate(
     spread: float,
     until: float,
     per_record: bool = False,
-) -> list[SimPeer]:
-    """Run ``count`` peers that start within ``spread`` seconds until they all finish or ``until``
-    passes (peers in the middle of a commit are always allowed to finish)."""
-    rnd = random.Random(seed)
-    dht = SimDHT(seed, max_lag, per_record)
-    peers = []
-    for i in range(count):
-        start = rnd.uniform(0, spread)
-        mine = fresh(i, declared_at=start, ready_at=start + cfg.min_matchmaking_time, deadline=10_000.0)
-        peers.append(SimPeer(Looking(mine), start))
-    while True:
-        active = [p for p in peers if p.group is None and not p.gave_up]
-        active = [p for p in active if p.next_time < until or not isinstance(p.state, Looking)]
-        if not active:
-            return peers
-        current = min(active, key=lambda p: p.next_time)
-        now = current.next_time
-        board = parse_board(cfg.prefix, dht.read(peers.index(current), now), now)
-        result = step(current.state, now, board, cfg)
-        for write in result.writes:
-            dht.store(write, now)
-        current.state, current.group = result.state, result.group
-        pause = cfg.poll_interval * (URGENT_POLL_FRACTION if result.urgent else 1.0)
-        current.next_time = now + pause * rnd.uniform(0.5, 1.5)
+) -> SimulatedRound:
+    """``count`` peers on one board (no rotation) that start within ``spread`` seconds, over the
+    library's simulated lagging DHT, until they all finish or ``until`` passes."""
+    peers = {simulated_peer_id(i): () for i in range(count)}
+    return simulate_round(
+        peers, cfg, swarm_size=None, seed=seed, max_lag=max_lag, spread=spread, until=until, per_record=per_record
+    )
 
 
-def check_agreement(peers: list[SimPeer], cfg: MatchmakingConfig, *, complete: bool = True) -> None:
+def check_agreement(result: SimulatedRound, cfg: MatchmakingConfig, count: int, *, complete: bool = True) -> None:
     by_id: dict[bytes, GroupInfo] = {}
-    for peer in peers:
-        if peer.group is None:
-            continue
-        assert by_id.setdefault(peer.group.group_id, peer.group) == peer.group, "members disagree on a group"
-        assert peer.state.declaration.member in peer.group.members
-        assert cfg.min_group_size <= peer.group.size <= (cfg.target_group_size or len(peers))
+    for peer_id, group in result.groups.items():
+        assert by_id.setdefault(group.group_id, group) == group, "members disagree on a group"
+        assert peer_id in {m.peer_id for m in group.members}
+        assert cfg.min_group_size <= group.size <= (cfg.target_group_size or count)
     if not complete:
         return
-    returned = {p.state.declaration.member.peer_id: p.group for p in peers}
     for group in by_id.values():
         for m in group.members:  # with bounded lag, everyone committed reads the commit in time
-            assert returned[m.peer_id] == group, "a committed member did not join its group"
+            assert result.groups.get(m.peer_id) == group, "a committed member did not join its group"
 
 
 @settings(max_examples=100, deadline=None)
@@ -390,9 +363,9 @@ def check_agreement(peers: list[SimPeer], cfg: MatchmakingConfig, *, complete: b
 )
 def test_simulated_peers_agree_on_every_group(count, target, min_size, seed, max_lag, spread, per_record) -> None:
     cfg = config(target_group_size=target, min_group_size=min(min_size, target), min_matchmaking_time=1.0)
-    peers = simulate(count, cfg, seed=seed, max_lag=max_lag, spread=spread, until=8.0, per_record=per_record)
-    check_agreement(peers, cfg)
-    ungrouped = sum(p.group is None for p in peers)
+    result = simulate(count, cfg, seed=seed, max_lag=max_lag, spread=spread, until=8.0, per_record=per_record)
+    check_agreement(result, cfg, count)
+    ungrouped = count - len(result.groups)
     assert ungrouped < cfg.min_group_size, "peers that could have formed a group were left waiting"
 
 
@@ -401,22 +374,22 @@ def test_simulated_peers_agree_on_every_group(count, target, min_size, seed, max
 def test_members_agree_even_when_the_dht_lags_beyond_request_timeout(count, seed, max_lag) -> None:
     # Some member may then miss its commit (the documented gap), but no two members disagree.
     cfg = config(target_group_size=4, min_group_size=2, min_matchmaking_time=1.0)
-    peers = simulate(count, cfg, seed=seed, max_lag=max_lag, spread=1.0, until=8.0, per_record=True)
-    check_agreement(peers, cfg, complete=False)
+    result = simulate(count, cfg, seed=seed, max_lag=max_lag, spread=1.0, until=8.0, per_record=True)
+    check_agreement(result, cfg, count, complete=False)
 
 
 @pytest.mark.parametrize(("count", "expected"), [(4, [4]), (8, [4, 4]), (6, [4, 2]), (3, [3]), (5, [3, 2])])
 def test_simulated_round_without_lag_forms_the_planned_groups(count: int, expected: list[int]) -> None:
     cfg = config(min_matchmaking_time=1.0)
-    peers = simulate(count, cfg, seed=count, max_lag=0.0, spread=0.0, until=5.0)
-    check_agreement(peers, cfg)
-    groups = {p.group.group_id: p.group for p in peers if p.group is not None}
+    result = simulate(count, cfg, seed=count, max_lag=0.0, spread=0.0, until=5.0)
+    check_agreement(result, cfg, count)
+    groups = {group.group_id: group for group in result.groups.values()}
     assert sorted((g.size for g in groups.values()), reverse=True) == expected
 
 
 def test_simulated_full_group_forms_within_a_few_polls() -> None:
     cfg = config(min_matchmaking_time=100.0)
-    peers = simulate(4, cfg, seed=1, max_lag=0.02, spread=0.0, until=100.0)
-    check_agreement(peers, cfg)
-    assert all(p.group is not None for p in peers)
-    assert max(p.next_time for p in peers) < 10 * cfg.poll_interval
+    result = simulate(4, cfg, seed=1, max_lag=0.02, spread=0.0, until=100.0)
+    check_agreement(result, cfg, 4)
+    assert len(result.groups) == 4
+    assert max(result.found_at.values()) < 10 * cfg.poll_interval

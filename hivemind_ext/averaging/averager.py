@@ -38,6 +38,7 @@ from hivemind_ext.averaging.allreduce.service import (
 from hivemind_ext.averaging.allreduce.throughput import ThroughputEstimator
 from hivemind_ext.averaging.control import AveragingMode, AveragingStage, StepControl
 from hivemind_ext.averaging.delta import apply_average
+from hivemind_ext.averaging.matchmaking.confirmation import Confirmations
 from hivemind_ext.averaging.matchmaking.group import GroupInfo
 from hivemind_ext.averaging.matchmaking.group_key import check_group_bits, next_group_bits_of
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
@@ -396,12 +397,16 @@ class DecentralizedAverager:
         self._service.on_early_stream = self._on_early_stream
         await self._service.start()
         dht_calls = runtime.dht_calls
+        # members confirm their group with its leader by one call (a plain libp2p client: tiny messages)
+        confirmations = Confirmations(RPCClient(p2p, namespace), None if self.client_mode else self._server)
+        await confirmations.start()
         self._matchmaker = Matchmaker(
             self.matchmaking_config,
             dht=self.dht,
             peer_id=p2p.peer_id,
             dht_calls=dht_calls,
             on_read=round_stats_of(runtime).record_board_read,
+            confirmations=confirmations,
         )
         target = self.matchmaking_config.target_group_size
         if target is not None and target >= 2:  # rotating groups (see .matchmaking.rotation); bits take precedence

@@ -1,5 +1,5 @@
 """Matchmaking: peers that average under one prefix find each other in hivemind's DHT and agree on
-groups, with the DHT as the only channel.
+groups (confirmed by one direct call to the group's leader where it serves them).
 
 Which file does what:
 
@@ -11,6 +11,8 @@ Which file does what:
 - :mod:`.protocol`: one peer's side of the protocol as a pure state machine;
 - :mod:`.matchmaker`: :class:`Matchmaker`, the thin I/O around the state machine (DHT reads and
   writes with deadlines);
+- :mod:`.confirmation`: members confirm a sealed group by one libp2p call to its leader, whose
+  answer is the commit (the DHT board is kept for discovery);
 - :mod:`.simulation`: many peers running the state machine over a simulated lagging DHT (tests,
   ``benchmarks/scale.py``).
 

@@ -97,6 +97,8 @@ def sealed_write(group: SealedGroup, expiration_time: float) -> Write:
     value: dict[str, Any] = {"members": members, "commit_by": group.commit_by}
     if _is_finite(group.start_at):  # absent: the group starts as soon as it is committed
         value["start_at"] = group.start_at
+    if group.direct:  # absent: members confirm on the board
+        value["direct"] = True
     return Write(f"g/{group.group_id}", value, expiration_time)
 
 
@@ -187,17 +189,27 @@ def _parse_sealed(group_id: str, value: dict) -> SealedGroup:
     if group_id_for(members) != group_id:
         raise ProtocolError("the group id does not match the sealed members")
     start_at = _finite(value["start_at"], "start_at") if "start_at" in value else -math.inf
-    return SealedGroup(group_id, members, _finite(value.get("commit_by"), "commit_by"), start_at)
+    direct = value.get("direct", False)
+    if not isinstance(direct, bool):
+        raise ProtocolError(f"a sealed group's direct flag must be a boolean, got {direct!r:.80}")
+    return SealedGroup(group_id, members, _finite(value.get("commit_by"), "commit_by"), start_at, direct)
 
 
 def _parse_commit(group_id: str, value: dict) -> Commit:
-    keys = []
-    for row in _bounded_list(value.get("members"), "members"):
-        peer_id, attempt = _row(row, 2)
-        keys.append((_matching(_PEER_ID, peer_id, "peer id"), _matching(_ATTEMPT, attempt, "attempt")))
+    keys = tuple(member_key(*_row(row, 2)) for row in _bounded_list(value.get("members"), "members"))
     if len(set(keys)) != len(keys):
         raise ProtocolError("committed members must be unique")
-    return Commit(group_id, tuple(keys))
+    return Commit(group_id, keys)
+
+
+def member_key(peer_id: Any, attempt: Any) -> PeerKey:
+    """A peer's attempt key as it comes off the wire; :class:`ProtocolError` if malformed."""
+    return (_matching(_PEER_ID, peer_id, "peer id"), _matching(_ATTEMPT, attempt, "attempt"))
+
+
+def group_id_of(text: Any) -> str:
+    """A group id as it comes off the wire; :class:`ProtocolError` if malformed."""
+    return _matching(_GROUP_ID, text, "group id")
 
 
 def _member(peer_id: Any, attempt: Any, bandwidth: Any, client_mode: Any, auxiliary: Any) -> Member:

@@ -225,6 +225,7 @@ class SealedGroup:
     members: tuple[Member, ...]
     commit_by: float  # the leader commits at the latest at this time, with whoever confirmed
     start_at: float = -math.inf  # its all-reduce starts no earlier (a group sealed ahead, see .timing)
+    direct: bool = False  # members confirm by calling the leader, not on the board (see .confirmation)
 
     @property
     def leader(self) -> Member:

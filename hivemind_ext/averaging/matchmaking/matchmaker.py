@@ -1,5 +1,7 @@
 """Matchmaking: peers that average under one prefix find each other through hivemind's DHT and
-agree on groups, with no RPC between them (the DHT is the only channel).
+agree on groups; the members of a group sealed by a leader that serves direct confirmations
+(every averager but a client-mode one) confirm it by one libp2p call to that leader instead of
+through the DHT (see :mod:`.confirmation`). Without ``confirmations`` the DHT is the only channel.
 
 Usage (inside the averager's event loop)::
 
@@ -38,12 +40,19 @@ a store 35-70 ms instead of 85-90, a read 30 ms instead of 40-47.
 3. **Confirm.** A looking peer that sees an open sealed group listing its current attempt joins it
    (the lowest group id if several list it) by overwriting its declaration with a ``joined``
    marker. This also withdraws the declaration: nobody plans with it any more. Joining a sealed
-   group takes priority over sealing one's own, which is what makes diverging plans converge.
+   group takes priority over sealing one's own, which is what makes diverging plans converge; a
+   leader that sees a lower leader's open seal listing it gives way (abandons its own group and
+   joins that one), and a member left out of a commit first joins another open seal listing it.
+   In a *direct* group the member also calls the leader (:mod:`.confirmation`): the call is its
+   confirmation, and the answer is the commit, so steps 4-5 take one round trip instead of three
+   DHT calls; the marker is still stored (without waiting), for the other peers' plans.
 4. **Commit.** The leader stores the commit (the members that confirmed, in the sealed order) as
    soon as every other member confirmed or visibly went elsewhere, and at the latest at the commit
    time (``request_timeout`` after sealing, earlier if a member's deadline is nearer). A commit
    with fewer than ``min_group_size`` members (or no member able to run the all-reduce) abandons
-   the group.
+   the group, and so does a group sealed full before anyone's scheduled time that is no longer
+   whole (its members and the peers it left over then form full groups instead of waiting for
+   their scheduled time).
 5. **Return.** The leader returns the committed group; a member returns when it reads a commit
    that lists it. A member left out of a commit, and the members of an abandoned group, look again
    under a new attempt token, keeping their seniority.
@@ -129,13 +138,18 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
 from hivemind_ext.averaging.matchmaking.board import Write, board_key, parse_board
-from hivemind_ext.averaging.matchmaking.group import Board, Declaration, GroupInfo, MatchmakingConfig, Member
+from hivemind_ext.averaging.matchmaking.confirmation import Confirmations, with_commit, with_confirmations
+from hivemind_ext.averaging.matchmaking.group import Board, Commit, Declaration, GroupInfo, MatchmakingConfig, Member
 from hivemind_ext.averaging.matchmaking.listed import ListedPeers
 from hivemind_ext.averaging.matchmaking.protocol import (
     URGENT_POLL_FRACTION,
+    Following,
+    Leading,
     Looking,
     State,
+    Step,
     fall_back,
+    leader_failed,
     step,
     withdrawal,
 )
@@ -146,9 +160,12 @@ from hivemind_ext.errors import (
     DeadlineExceededError,
     MatchmakingError,
     PeerUnreachableError,
+    ProtocolError,
+    RemoteError,
 )
 from hivemind_ext.p2p.dht_calls import DHTCalls
 from hivemind_ext.p2p.signing import OwnerBook, default_signing_key, install_signing, owner_marker, signed_subkey
+from hivemind_ext.p2p.tasks import TaskOwner
 
 logger = logging.getLogger(__name__)
 COMMIT_ATTEMPTS = 3  # the commit is the one write that must land: members only ever return a committed group
@@ -167,6 +184,8 @@ class Matchmaker:
         :func:`~hivemind_ext.p2p.signing.default_signing_key`).
     :param on_read: called with the bytes of records (signed subkeys and msgpack values) that each
         read of the board returned, e.g. ``RoundStats.record_board_read`` (what a poll costs).
+    :param confirmations: direct confirmations with leaders over libp2p (see :mod:`.confirmation`;
+        started, i.e. serving, for this peer to seal direct groups itself); None: the board only.
     """
 
     def __init__(
@@ -178,8 +197,10 @@ class Matchmaker:
         dht_calls: DHTCalls | None = None,
         signing_key: RSAPrivateKey | None = None,
         on_read: Callable[[int], None] | None = None,
+        confirmations: Confirmations | None = None,
     ) -> None:
         self.config = config
+        self.confirmations = confirmations
         self._on_read = on_read
         self.peer_id = peer_id if peer_id is not None else dht.peer_id
         self._dht_calls = dht_calls if dht_calls is not None else DHTCalls(dht)
@@ -264,10 +285,14 @@ class Matchmaker:
         await self._install_signing(get_dht_time() + timeout)
 
     async def _install_signing(self, deadline: float) -> None:
-        """Once per board key: the DHT signs this peer's records and refuses unsigned entries there."""
+        """Once per board key: the DHT signs this peer's records and refuses unsigned entries there.
+
+        A call into this peer's own DHT process, bounded by the search's deadline only: capped at
+        ``request_timeout`` (1 s in tests), it failed whole searches at once on a loaded machine,
+        and the peers planned with the failed one then waited for it until their deadline."""
         if self._key in self._protected:
             return
-        timeout = max(0.0, min(self.config.request_timeout, deadline - get_dht_time()))
+        timeout = max(0.0, deadline - get_dht_time())
         try:
             await install_signing(self._dht_calls, self._signing_key, protected_keys=(self._key,), timeout=timeout)
         except (ClosedError, DeadlineExceededError, PeerUnreachableError) as e:
@@ -304,6 +329,7 @@ class Matchmaker:
     async def _look(self, declaration: Declaration) -> GroupInfo:
         state: State = Looking(declaration)
         board: Board | None = Board()  # nothing read yet: the first step only declares
+        direct = self.confirmations is not None and self.confirmations.serving and not self.config.client_mode
         try:
             while True:
                 now = get_dht_time()
@@ -313,20 +339,24 @@ class Matchmaker:
                     raise MatchmakingError("the DHT process is not running")
                 urgent = read_now = False
                 if board is not None:  # None: the read failed, skip this poll
-                    result = step(state, now, board, self.config)
+                    result = step(state, now, self._leader_view(state, board), self.config, direct=direct)
                     urgent = result.urgent
                     if type(result.state) is not type(state):
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
-                    state = result.state  # before the writes: if they are cancelled, withdraw from the new state
+                    previous, state = state, result.state  # before the writes: if they are cancelled, withdraw from it
+                    self._track_direct_group(previous, result)
                     if result.fall_back:  # my shard is too empty: on to the coarser shard's board
                         state, board = await self._fall_back(state.declaration), Board()
                         continue
                     if result.group is not None:
-                        if result.writes and not await self.commit(result.writes, result.group, declaration.deadline):
-                            # members would never read the commit; withdrawing abandons it
-                            raise MatchmakingError("the group's commit could not be stored in the DHT")
+                        await self._finish(state, result.writes, result.group, declaration.deadline)
                         await asyncio.sleep(max(0.0, min(result.start_at, declaration.deadline) - get_dht_time()))
                         return result.group
+                    if _joined_direct_group(previous, state):
+                        for write in result.writes:  # for the other peers' plans: the leader counts my call
+                            self._store_nowait(write, self._key)
+                        state, board = await self._ask_leader(state, declaration.deadline)
+                        continue
                     # Having just (re)declared, read at once in the same call: peers that started at the
                     # same moment are on the board by now. After any other write, nobody has answered yet.
                     read_now = bool(result.writes) and isinstance(state, Looking)
@@ -334,11 +364,94 @@ class Matchmaker:
                         _, board = await self._exchange(result.writes, read_now, declaration.deadline)
                 if not read_now:
                     pause = self.config.poll_interval * (URGENT_POLL_FRACTION if urgent else 1.0)
+                    if _awaits_calls(self.confirmations, state) and board is not None:
+                        board = await self._read_unless_called(board, declaration.deadline)
+                        continue
                     await asyncio.sleep(max(0.0, min(pause, declaration.deadline - get_dht_time())))
                     _, board = await self._exchange((), True, declaration.deadline)
         except BaseException:
             self._withdraw(state)
             raise
+
+    def _leader_view(self, state: State, board: Board) -> Board:
+        """What the protocol steps on: the board, and for the leader of a direct group, the calls it
+        received as its members' confirmations (see :func:`.confirmation.with_confirmations`)."""
+        if self.confirmations is None or not _awaits_calls(self.confirmations, state):
+            return board
+        self.confirmations.changed.clear()  # calls from now on wake the next wait
+        return with_confirmations(board, state.group, self.confirmations.confirmed(state.group.group_id))
+
+    def _track_direct_group(self, previous: State, result: Step) -> None:
+        """Opens this peer's desk for a direct group it just sealed, and answers its callers once the
+        group is committed or abandoned."""
+        if self.confirmations is None:
+            return
+        state = result.state
+        if isinstance(previous, Leading) and previous.group.direct:
+            if result.group is not None or not isinstance(state, Leading) or state.group != previous.group:
+                members = result.group.members if result.group is not None else ()
+                self.confirmations.settle(Commit(previous.group.group_id, tuple(m.key for m in members)))
+        elif isinstance(state, Leading) and state.group.direct:
+            self.confirmations.open(state.group)
+
+    async def _read_unless_called(self, board: Board, deadline: float) -> Board:
+        """A direct group's leader reads the board once a poll interval (members that went elsewhere,
+        a lower leader's seal listing it), and steps at once when a member calls, even mid-read
+        (a read under load takes hundreds of milliseconds): the read is then dropped, and the last
+        board is stepped on again with the new confirmation (see :meth:`_leader_view`)."""
+        confirmations = self.confirmations
+        if confirmations is None:
+            return board
+        pause = max(0.0, min(self.config.poll_interval, deadline - get_dht_time()))
+        async with TaskOwner("a direct leader's wait") as owner:
+            called = owner.spawn(confirmations.changed.wait(), report_errors=False)
+            read = owner.spawn(self._pause_then_read(pause, deadline), report_errors=False)
+            await asyncio.wait((called, read), return_when=asyncio.FIRST_COMPLETED)
+            if called.done() or not read.done():
+                return board
+        return read.result() or board
+
+    async def _pause_then_read(self, pause: float, deadline: float) -> Board | None:
+        await asyncio.sleep(pause)
+        return (await self._exchange((), True, deadline))[1]
+
+    async def _ask_leader(self, state: Following, deadline: float) -> tuple[State, Board | None]:
+        """Confirms a direct group by calling its leader; returns the state to go on from and the
+        board to step on next (None: read the board first).
+
+        The leader's commit comes back on the board the protocol steps on, so it decides as if it
+        had read the commit there (a member left out reads the board first: another seal may list
+        it). A leader that refuses or answers with anything but a commit of the group is left
+        (:func:`.protocol.leader_failed`), and so is one that does not answer until one
+        ``request_timeout`` past its commit time; one that cannot be reached (or whose answer got
+        lost on the way) is waited for on the board, where its commit lands too."""
+        group, me = state.group, state.declaration.member.key
+        timeout = min(group.commit_by + self.config.request_timeout, deadline) - get_dht_time()
+        try:
+            commit = await self.confirmations.confirm(group, me, timeout=max(0.0, timeout))
+        except (ProtocolError, RemoteError, DeadlineExceededError) as e:
+            # lying, refusing, or silent until one request_timeout past its commit time (as a dead one)
+            logger.info("%s: leaving the group of %s: %s", self.peer_id, group.leader.peer_id, e)
+            failed = leader_failed(state, get_dht_time(), self.config)
+            _, board = await self._exchange(failed.writes, True, deadline)
+            return failed.state, board
+        except PeerUnreachableError as e:
+            logger.debug("%s: the leader %s is unreachable (%s): reading the board", self.peer_id, group.leader, e)
+            return state, None
+        board: Board | None = Board()
+        if me not in commit.members:
+            _, board = await self._exchange((), True, deadline)
+        return state, with_commit(board or Board(), commit)
+
+    async def _finish(self, state: State, writes: tuple[Write, ...], group: GroupInfo, deadline: float) -> None:
+        """A leader's last step: its members have the commit of a direct group already (stored
+        without waiting, for the others' plans); a board group's commit must land first."""
+        if isinstance(state, Leading) and state.group.direct:
+            for write in writes:
+                self._store_nowait(write, self._key)
+        elif writes and not await self.commit(writes, group, deadline):
+            # members would never read the commit; withdrawing abandons it
+            raise MatchmakingError("the group's commit could not be stored in the DHT")
 
     async def _fall_back(self, declaration: Declaration) -> Looking:
         """Withdraws ``declaration`` from its shard's board and moves this search to the coarser shard
@@ -412,6 +525,8 @@ class Matchmaker:
 
     def _withdraw(self, state: State) -> None:
         """Best effort, without waiting: the stores run in the DHT process even after we return."""
+        if self.confirmations is not None and isinstance(state, Leading) and state.group.direct:
+            self.confirmations.settle(Commit(state.group.group_id, ()))  # its callers look again at once
         if not self._dht_calls.is_alive():
             return
         for write in withdrawal(state, get_dht_time(), self.config):
@@ -424,6 +539,17 @@ class Matchmaker:
             self._dht_calls.store_nowait(key, write.value, write.expiration_time, subkey=subkey)
         except Exception as e:  # a DHT that is already shut down cannot take the store
             logger.debug("could not store matchmaking record %s: %r", write.subkey, e)
+
+
+def _awaits_calls(confirmations: Confirmations | None, state: State) -> bool:
+    """Whether this peer leads a direct group: its members' calls, not only the board, move it on."""
+    return confirmations is not None and isinstance(state, Leading) and state.group.direct
+
+
+def _joined_direct_group(previous: State, state: State) -> bool:
+    """Whether this step joined a direct group (see :mod:`.confirmation`): its leader is called next."""
+    joined = isinstance(state, Following) and state.group.direct
+    return joined and not (isinstance(previous, Following) and previous.group == state.group)
 
 
 def _record_bytes(subkey: Any, value: Any) -> int:

@@ -23,6 +23,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     Declaration,
     GroupInfo,
     MatchmakingConfig,
+    Member,
     SealedGroup,
     all_auxiliary,
     group_id_for,
@@ -72,11 +73,19 @@ class Looking:
 
 @dataclass(frozen=True)
 class Leading:
-    """Sealed ``group`` as its leader; waiting for members to confirm, then commits."""
+    """Sealed ``group`` as its leader; waiting for members to confirm, then commits.
+
+    ``full_until``: the group was sealed full before any member's scheduled time (only full groups
+    form then, see :func:`.group.plan_groups`); until this time it commits only if every member
+    confirmed, and is abandoned otherwise. Committing the rest would leave the peers it was meant to
+    pair them with short of a full group until their scheduled time (seen under load: two leaders
+    with different views sealed overlapping groups of 4 out of 8 peers, both committed 3, and the
+    last 2 waited out their deadline)."""
 
     declaration: Declaration
     group: SealedGroup
     ignored: Ignored = ()  # carried over from Looking: see there
+    full_until: float = -math.inf
 
 
 @dataclass(frozen=True)
@@ -107,10 +116,14 @@ class Step:
     fall_back: bool = False
 
 
-def step(state: State, now: float, board: Board, config: MatchmakingConfig) -> Step:
-    """Advance one peer's matchmaking by one read of the DHT."""
+def step(state: State, now: float, board: Board, config: MatchmakingConfig, *, direct: bool = False) -> Step:
+    """Advance one peer's matchmaking by one read of the DHT.
+
+    ``direct``: this peer serves direct confirmations (:mod:`.confirmation`), so a group it seals
+    is confirmed by calls to it; the I/O layer then hands in, as the board's markers of its group's
+    members, the confirmations it received that way."""
     if isinstance(state, Looking):
-        return _step_looking(state, now, board, config)
+        return _step_looking(state, now, board, config, direct)
     if isinstance(state, Leading):
         return _step_leading(state, now, board, config)
     return _step_following(state, now, board, config)
@@ -145,14 +158,12 @@ def next_attempt(attempt: str) -> str:
     return hashlib.sha256(attempt.encode()).hexdigest()[:16]
 
 
-def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingConfig) -> Step:
+def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingConfig, direct: bool) -> Step:
     me = state.declaration
     # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
-    offers = [g for g in board.sealed.values() if me.member.key in g.keys and is_open(g, now, board)]
+    offers = _offers(me, now, board)
     if offers:
-        group = min(offers, key=lambda g: g.group_id)  # any fixed tie-break; the other leaders see me leave
-        joined, confirm = _mark(me, group.group_id, now, config)
-        return Step(Following(joined, group, state.ignored), (confirm,), urgent=True)
+        return _join(me, min(offers, key=lambda g: g.group_id), now, config, state.ignored)  # any fixed tie-break
     me, refresh = _refresh(me, now, config)
     ignored = {peer for peer, until in state.ignored if until > now}
     overlay = {key: d for key, d in board.declarations.items() if d.member.peer_id not in ignored}
@@ -169,10 +180,12 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         # moment (as in synchronous training) are declaring right now. Either way, read again soon.
         eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
         return Step(_waiting(state, me, mine, now, config), refresh, urgent=mine is not None or eager)
-    sealed = _seal(mine, now, config, start_at)
+    sealed = _seal(mine, now, config, start_at, direct)
     joined, confirm = _mark(me, sealed.group_id, now, config)
     writes = (sealed_write(sealed, _record_expiration(now, config)), confirm)
-    return Step(Leading(joined, sealed, state.ignored), writes, urgent=True)
+    due = min(d.ready_at for d in mine)
+    full_until = due if due > now and start_at <= now else -math.inf  # a full group, not one sealed ahead
+    return Step(Leading(joined, sealed, state.ignored, full_until), writes, urgent=True)
 
 
 def _waiting(
@@ -199,16 +212,25 @@ def _ignore(ignored: Ignored, peers: set[str], now: float, config: MatchmakingCo
 
 def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingConfig) -> Step:
     group, me = state.group, state.declaration.member
+    senior = [g for g in _offers(state.declaration, now, board, group.group_id) if g.leader.key < me.key]
+    if senior:
+        # Two leaders with different views sealed groups that share members: the lowest leader keeps
+        # its group and the others join it (a leader does not confirm other groups while it leads,
+        # so both groups used to commit short, and the peers that neither took were left over).
+        abandoned = commit_write(Commit(group.group_id, ()), _record_expiration(now, config))
+        joined = _join(state.declaration, min(senior, key=lambda g: g.group_id), now, config, state.ignored)
+        return replace(joined, writes=(abandoned, *joined.writes))
     others = [m for m in group.members if m != me]
     confirmed = {me.key} | {m.key for m in others if board.markers.get(m.key) == group.group_id}
-    waiting = any(m.key not in board.markers for m in others)  # has not seen the group yet, or is not visible
+    waiting = any(_coming(m, group, me, now, board) for m in others)
     if waiting and now < group.commit_by:
         return Step(state, urgent=True)
     members = tuple(m for m in group.members if m.key in confirmed)
     # a group sealed with only auxiliary members may commit as such; a mixed group whose contributors
     # dropped out is abandoned (its auxiliary members look again, for a group that has work)
     viable = is_viable(members) or all_auxiliary(group.members)
-    if len(members) < config.min_group_size or not viable:
+    short = len(members) < len(group.members) and now < state.full_until
+    if len(members) < config.min_group_size or not viable or short:
         members = ()
     commit = commit_write(Commit(group.group_id, tuple(m.key for m in members)), _record_expiration(now, config))
     if not members:
@@ -226,18 +248,58 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
         if me.member.key in keys:
             members = tuple(m for m in group.members if m.key in keys)
             return Step(state, (), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
+        others = _offers(me, now, board, group.group_id)  # e.g. the group its leader gave way to
+        if others:
+            return _join(me, min(others, key=lambda g: g.group_id), now, config, state.ignored)
         return _retry(me, now, config, (), state.ignored)
     if now > group.commit_by + config.request_timeout:  # the leader is gone: leave, so a late commit skips me
-        _, left = _mark(me, None, now, config)
-        return _retry(me, now, config, (left,), _ignore(state.ignored, {group.leader.peer_id}, now, config))
+        return leader_failed(state, now, config)
     return Step(state, urgent=True)
 
 
-def _seal(group: tuple[Declaration, ...], now: float, config: MatchmakingConfig, start_at: float) -> SealedGroup:
+def leader_failed(state: Following, now: float, config: MatchmakingConfig) -> Step:
+    """A member leaves its group's leader: it never committed, or it answered a direct confirmation
+    with something that is not a commit of the sealed group (see :mod:`.confirmation`). The member
+    marks its attempt as left (so a late commit skips it), looks again under a new attempt, and
+    leaves the leader out of its plans for a while, as it does a dead one."""
+    me = state.declaration
+    _, left = _mark(me, None, now, config)
+    return _retry(me, now, config, (left,), _ignore(state.ignored, {state.group.leader.peer_id}, now, config))
+
+
+def _offers(me: Declaration, now: float, board: Board, mine: str | None = None) -> list[SealedGroup]:
+    """The open sealed groups that list this attempt of mine (other than ``mine``)."""
+    sealed = (g for g in board.sealed.values() if g.group_id != mine)
+    return [g for g in sealed if me.member.key in g.keys and is_open(g, now, board)]
+
+
+def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingConfig, ignored: Ignored) -> Step:
+    """Confirm ``group``: mark this attempt as joined (the other leaders that listed it see it leave)."""
+    joined, confirm = _mark(me, group.group_id, now, config)
+    return Step(Following(joined, group, ignored), (confirm,), urgent=True)
+
+
+def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: Board) -> bool:
+    """Whether the leader ``me`` of ``group`` should still wait for ``member``: it has not marked its
+    attempt yet (it has not seen the group, or its marker is not visible yet), or it joined a group
+    whose leader is a junior member of this one, which gives way to this group (see
+    :func:`_step_leading`), so that the member looks for another group that lists it: this one."""
+    if member.key not in board.markers:
+        return True
+    joined = board.markers[member.key]
+    other = board.sealed.get(joined) if joined is not None and joined != group.group_id else None
+    if other is None or not is_open(other, now, board):
+        return False
+    return other.leader.key in group.keys and other.leader.key > me.key
+
+
+def _seal(
+    group: tuple[Declaration, ...], now: float, config: MatchmakingConfig, start_at: float, direct: bool
+) -> SealedGroup:
     members = tuple(d.member for d in group)
     # Commit before the first member's deadline, leaving it one poll to read the commit.
     commit_by = min(now + config.request_timeout, min(d.deadline for d in group) - config.poll_interval)
-    return SealedGroup(group_id_for(members), members, commit_by, start_at if start_at > now else -math.inf)
+    return SealedGroup(group_id_for(members), members, commit_by, start_at if start_at > now else -math.inf, direct)
 
 
 def _retry(me: Declaration, now: float, config: MatchmakingConfig, writes: tuple[Write, ...], ignored: Ignored) -> Step:

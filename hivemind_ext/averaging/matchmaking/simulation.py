@@ -35,12 +35,24 @@ def simulated_peer_id(index: int) -> str:
     return "12D3KooW" + "".join(reversed(digits))
 
 
+def simulated_member(
+    index: int, *, attempt: int = 0, bandwidth: float | None = None, client_mode: bool = False, auxiliary: bool = False
+) -> Member:
+    """Peer ``index`` in its ``attempt``-th attempt (the tests' and the simulation's members)."""
+    return Member(simulated_peer_id(index), f"{index:08x}{attempt:08x}", bandwidth, client_mode, auxiliary)
+
+
 @dataclass
 class LaggingDHT:
-    """Every key's records, each version with the time it was written; reads lag by up to ``max_lag``."""
+    """Every key's records, each version with the time it was written; reads lag by up to ``max_lag``.
+
+    ``per_record=False``: a read sees every version older than one lag drawn for that read (replicas
+    that each apply stores in order). ``per_record=True``: every version of every record reaches every
+    reader after its own lag, so a reader may see a marker before the group it refers to."""
 
     seed: int
     max_lag: float
+    per_record: bool = False
     versions: dict[str, dict[str, list[tuple[float, dict, float]]]] = field(default_factory=dict)
     reads: int = 0
     records_read: int = 0
@@ -51,15 +63,22 @@ class LaggingDHT:
             history.append((now, write.value, write.expiration_time))
 
     def read(self, key: str, reader: str, now: float) -> list[tuple[str, dict, float]]:
-        lag = self.max_lag * (zlib.crc32(f"{self.seed}/{reader}/{now}".encode()) / 2**32)
+        lag = self._lag(f"{reader}/{now}")
         entries = []
         for subkey, history in self.versions.get(key, {}).items():
-            arrived = [(value, expiration) for written, value, expiration in history if written + lag <= now]
+            arrived = [
+                (value, expiration)
+                for i, (written, value, expiration) in enumerate(history)
+                if written + (self._lag(f"{subkey}/{i}/{reader}") if self.per_record else lag) <= now
+            ]
             if arrived and arrived[-1][1] > now:
                 entries.append((subkey, *arrived[-1]))
         self.reads += 1
         self.records_read += len(entries)
         return entries
+
+    def _lag(self, what: str) -> float:
+        return self.max_lag * (zlib.crc32(f"{self.seed}/{what}".encode()) / 2**32)
 
 
 @dataclass
@@ -101,14 +120,17 @@ def simulate_round(
     planted: Sequence[tuple[str, Write]] = (),
     scheduled_time: float | None = None,
     until: float = 60.0,
+    per_record: bool = False,
 ) -> SimulatedRound:
-    """One round of matchmaking for the peers of ``coordinates`` (peer id -> digits): each starts
-    looking at a random time within ``spread`` seconds, with its scheduled time
-    ``min_matchmaking_time`` later (or ``scheduled_time`` for all, as in synchronous training);
-    ``dying`` peers die right after declaring; ``planted`` records ``(key, write)`` lie in the DHT
-    from the start. Runs until every live peer has a group, or ``until``."""
+    """One round of matchmaking for the peers of ``coordinates`` (peer id -> digits; empty digits
+    and ``swarm_size=None``: one board, no rotation): each starts looking at a random time within
+    ``spread`` seconds, with its scheduled time ``min_matchmaking_time`` later (or
+    ``scheduled_time`` for all, as in synchronous training); ``dying`` peers die right after
+    declaring; ``planted`` records ``(key, write)`` lie in the DHT from the start; ``per_record``:
+    see :class:`LaggingDHT`. Runs until every live peer has a group or gave up at ``until`` (a
+    peer in a group that is being formed finishes that first)."""
     rnd = random.Random(seed)
-    dht = LaggingDHT(seed, max_lag)
+    dht = LaggingDHT(seed, max_lag, per_record)
     for key, write in planted:
         dht.store(key, write, 0.0)
     base = config.target_group_size
@@ -119,14 +141,15 @@ def simulate_round(
         mine = dataclasses.replace(
             config, digits=tuple(digits), shard_depth=min(depth, len(digits)), expected_group_size=swarm_size
         )
-        member = Member(peer_id, f"{index:016x}", None, config.client_mode, config.auxiliary)
+        member = simulated_member(index, client_mode=config.client_mode, auxiliary=config.auxiliary)
+        member = dataclasses.replace(member, peer_id=peer_id)
         ready_at = start + config.min_matchmaking_time if scheduled_time is None else max(start, scheduled_time)
         declaration = Declaration(member, mine.group_key, start, ready_at, until, digits=mine.digits)
         peers.append(SimulatedPeer(peer_id, mine, Looking(declaration), start, dies=peer_id in set(dying)))
     last_declared = max((p.next_time for p in peers if not p.dies), default=0.0)
     first_due = min((p.state.declaration.ready_at for p in peers), default=0.0)
     while True:
-        active = [p for p in peers if p.group is None and p.next_time < until]
+        active = [p for p in peers if p.group is None and (p.next_time < until or not isinstance(p.state, Looking))]
         if not active:
             break
         peer = min(active, key=lambda p: (p.next_time, p.peer_id))
