@@ -1,7 +1,9 @@
 """scale.py's training case (issue 14): 16 peers train a small MLP on sklearn's digits with synchronous
 gradient averaging, once in rotating groups of 4 (``averager_opts=dict(target_group_size=4)``) and
-once in one group of all 16, on the same swarm, the same initial parameters and the same batches:
-every peer processes the same number of samples (``epochs`` epochs' worth if epochs end on target).
+once in one group of all 16, on the same swarm, the same initial parameters and the same batches,
+every peer until it reaches ``epochs`` (each epoch is ``target_batch_size`` samples when rounds keep
+up with the steps; the samples processed are reported, since slow rounds let peers accumulate more;
+stopping every peer after a fixed number of samples instead ended runs before any round).
 Reported per case: the held-out loss and accuracy (mean over the peers' final models), the spread
 of parameters across peers (the largest distance of a peer's parameters from the peers' mean,
 relative to the mean's largest value), the samples, epochs reached and seconds. The goal: groups
@@ -53,8 +55,7 @@ def train_case(
     lr: float,
     timeout: float,
 ) -> dict[str, Any]:
-    """Every peer makes ``epochs * steps_per_epoch`` steps (the samples of ``epochs`` epochs, the same in
-    every case); ``group``: target_group_size (None: one group)."""
+    """Every peer trains until it reaches ``epochs``; ``group``: target_group_size (None: one group)."""
     import hivemind_ext
 
     peers = len(dhts)
@@ -85,9 +86,7 @@ def train_case(
         opt, model = optimizers[index], models[index]
         stream = BatchStream(data, index, batch)
         try:
-            for _ in range(epochs * steps_per_epoch):
-                if stop.is_set():
-                    return
+            while opt.local_epoch < epochs and not stop.is_set():
                 x, y = stream.next_batch()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()

@@ -4,9 +4,10 @@ Four peers (``--peers``), each in its own network namespace with a 20 Mbit/s lin
 (``tc tbf``, tests/netns.py; needs root), train the same 11.1M-parameter MLP (128 -> 2048 -> 5120
 -> 64, ReLU) on a teacher-student regression: ``y = tanh(x A) B + 0.1 noise`` with a fixed random
 teacher (A: 128 x 32, B: 32 x 64), ``x ~ N(0, I)``, a batch of 8 per peer per step, each peer its own
-deterministic stream; Adam (lr 3e-4) is the inner (local) optimizer everywhere. Each peer's compute
-is real (forward and backward on one CPU thread) padded with a sleep to ``--step-seconds`` per step:
-the time an accelerator would take, during which the CPU is free for communication, as it would be.
+deterministic stream (``--seed`` picks the model's initialization and the streams); Adam (lr 3e-4) is
+the inner (local) optimizer everywhere. Each peer's compute is real (forward, backward and Adam on one
+CPU thread) padded with a sleep to ``--step-seconds`` per step: the time an accelerator would take,
+during which the CPU is free for communication, as it would be.
 
 Per configuration, every peer runs ``--steps`` inner steps (the same samples in every
 configuration) and reports:
@@ -15,27 +16,32 @@ configuration) and reports:
   over the wall time from its first step to its last;
 - bytes sent per peer per inner step: the transmitted bytes of its namespace's interface (all
   traffic: DHT, matchmaking, progress records, all-reduce), over its steps;
-- held-out loss: MSE on 256 held-out samples of the mean over peers of their final models (after
+- held-out loss: MSE on 256 held-out samples, the mean over peers of their final models' (after
   overlapped rounds in flight were applied).
 
 Configurations: ``sync`` (synchronous gradient averaging every step, float16), ``diloco`` (H inner
 steps, float16 pseudo-gradients), ``diloco8`` (8-bit min-max, Bagua's MinMaxUInt8), ``overlap``
-(overlapped rounds, float16), ``overlap_sparse`` (overlapped, top-k 2% with 4-bit values and error
-feedback), and ``hivemind`` (hivemind.Optimizer with ``use_local_updates``, parameters averaged
-every H steps' worth of samples in float16). Synchronous averaging of 21 MB per step takes seconds
-per step at 20 Mbit/s: it runs only ``--sync-steps`` steps (enough to measure utilization and bytes),
-and its held-out loss at the same samples as the others is computed by its exact in-process
-equivalent (Adam on the mean gradient of every peer's batch, each step; no float16 rounding).
-The baseline of the byte goal, synchronous fp32 averaging every step, is computed: the payload of a
-butterfly all-reduce of every float32 gradient, 2 (n - 1) / n x 4 bytes x 11.1M per peer per step.
+(overlapped rounds, float16), ``overlap_sparse`` (overlapped, ``ErrorFeedback(SparseTopK(...))``,
+``--density`` / ``--bits``), ``streaming`` (the same in ``--fragments`` fragments staggered over the
+H steps) and ``hivemind`` (hivemind.Optimizer with ``use_local_updates``, parameters averaged in
+float16 every H steps' worth of samples). Synchronous averaging moves 22 MB per peer per step, ~13 s
+at 20 Mbit/s: it runs ``--sync-steps`` steps over the links (its utilization, bytes and the samples
+each round averaged are measured there, and its model after those steps is compared with the exact
+in-process equivalent), and its held-out loss at the others' samples is that in-process equivalent's
+(Adam on the mean gradient of every peer's batch, each step; no float16 rounding): ``--steps`` real
+rounds would take an hour. The byte goal's baseline, synchronous fp32 averaging every step, is
+computed: a butterfly all-reduce of every float32 gradient, 2 (n - 1) / n x 4 bytes x 11.1M per peer
+per step.
 
-Defaults: H = 10, 30 steps, 0.5 s of compute per step (3 outer rounds), 3 steps of synchronous
-averaging; the issue's setting is ``--inner-steps 100 --steps 300`` (far longer). What the defaults
-take depends on the machine's load: each blocking fp16 round of 11.1M values costs ~13 s of link
-time at 20 Mbit/s, more under CPU contention (see benchmarks/RESULTS.md).
+Defaults: H = 25, 100 steps (4 outer rounds), 0.3 s of compute per step, 3 synchronous steps:
+7 configurations x 30 s of compute, plus blocking rounds (~13 s each for float16 DiLoCo), set-up
+and the in-process reference, sized for 10 minutes on a quiet 2-core machine (what the machine's
+load does to it: benchmarks/RESULTS.md). ``--full``: H = 100, 400 steps (4 rounds of the issue's H,
+about 4x as long). A configuration's figures are printed as soon as it ends; the JSON line comes last.
 
     sudo python benchmarks/thin_link.py
-    sudo python benchmarks/thin_link.py --configs diloco overlap_sparse --inner-steps 100 --steps 300
+    sudo python benchmarks/thin_link.py --full
+    sudo python benchmarks/thin_link.py --configs diloco overlap_sparse --seed 1
 """
 
 from __future__ import annotations
@@ -43,11 +49,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,18 +61,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-CONFIGS = ["sync", "diloco", "diloco8", "overlap", "overlap_sparse", "hivemind"]
+from peer_processes import PeerProcesses  # noqa: E402
+
+CONFIGS = ["sync", "diloco", "diloco8", "overlap", "overlap_sparse", "streaming", "hivemind"]
 IN, HIDDEN, HIDDEN2, OUT, TEACHER = 128, 2048, 5120, 64, 32
 BATCH, EVAL = 8, 256
 LR = 3e-4
+FULL = {"inner_steps": 100, "steps": 400}
+QUICK = {"inner_steps": 25, "steps": 100}
 
 
 # ----- the model and the data (the same in every peer and in the in-process reference)
 
 
-def make_model() -> torch.nn.Module:
+def make_model(seed: int = 0) -> torch.nn.Module:
     """11.1M parameters, nearly all in the 2048 x 5120 layer: a round's bytes matter."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(IN, HIDDEN),
         torch.nn.ReLU(),
@@ -77,6 +84,11 @@ def make_model() -> torch.nn.Module:
         torch.nn.ReLU(),
         torch.nn.Linear(HIDDEN2, OUT),
     )
+
+
+def data_stream(seed: int, index: int) -> torch.Generator:
+    """Peer ``index``'s batches (the same in every configuration and in the in-process reference)."""
+    return torch.Generator().manual_seed(100 + index + 1000 * seed)
 
 
 class Teacher:
@@ -124,7 +136,7 @@ def make_optimizer(config: dict[str, Any], dht: Any, model: torch.nn.Module) -> 
     name, peers, inner = config["name"], config["peers"], config["inner_steps"]
     common = dict(
         dht=dht,
-        run_id=f"thin_{name}",
+        run_id=f"thin_{name}_{config['seed']}",
         batch_size_per_step=BATCH,
         params=model.parameters(),
         optimizer=lambda params: TimedAdam(params, lr=LR),
@@ -148,20 +160,25 @@ def make_optimizer(config: dict[str, Any], dht: Any, model: torch.nn.Module) -> 
     from hivemind_ext.optim.algorithms import DiLoCo
 
     # every link is the same: equal parts in every round (measured throughputs would move the part
-    # boundaries from round to round, and ErrorFeedback drops a residual whose part changed shape)
+    # boundaries from round to round: harmless to error feedback, which locates residuals by offset,
+    # but noise in the bytes and times measured here)
     common["averager_opts"] = {"bandwidth": config["rate_mbit"]}
     if name == "sync":
         return hivemind_ext.Optimizer(
-            **common, target_batch_size=peers * BATCH, grad_compression=Float16Compression(), offload_optimizer=False
+            **common,
+            target_batch_size=peers * BATCH,
+            grad_compression=Float16Compression(),
+            offload_optimizer=False,
+            # every step is one epoch: the state averager has nothing to add, and its background
+            # rounds would share the 20 Mbit/s with the gradients'
+            average_state_every=1 << 30,
         )
-    codec: Any = {
-        "diloco": Float16Compression(),
-        "diloco8": MinMaxUInt8(),
-        "overlap": Float16Compression(),
-        "overlap_sparse": ErrorFeedback(SparseTopK(density=config["density"], bits=config["bits"])),
-    }[name]
-    overlap = name.startswith("overlap")
-    algorithm = DiLoCo(inner, codec=codec, overlap=overlap, fragments=config["fragments"] if overlap else 1)
+    if name == "overlap_sparse" or name == "streaming":
+        codec: Any = ErrorFeedback(SparseTopK(density=config["density"], bits=config["bits"]))
+    else:
+        codec = {"diloco": Float16Compression(), "diloco8": MinMaxUInt8(), "overlap": Float16Compression()}[name]
+    overlap = name.startswith("overlap") or name == "streaming"
+    algorithm = DiLoCo(inner, codec=codec, overlap=overlap, fragments=config["fragments"] if name == "streaming" else 1)
     return hivemind_ext.Optimizer(**common, target_batch_size=1 << 40, algorithm=algorithm, offload_optimizer=False)
 
 
@@ -182,7 +199,7 @@ def run_peer(peer: dict[str, Any]) -> None:
 
 
 def train_one(peer: dict[str, Any], config: dict[str, Any], dht: Any) -> bool:
-    teacher, model = Teacher(), make_model()
+    teacher, model = Teacher(), make_model(config["seed"])
     opt = make_optimizer(config, dht, model)
     try:
         give_up = time.monotonic() + 120
@@ -191,8 +208,9 @@ def train_one(peer: dict[str, Any], config: dict[str, Any], dht: Any) -> bool:
         print("ready", config["name"], flush=True)
         if sys.stdin.readline().strip() != "go":
             return False
-        generator = torch.Generator().manual_seed(100 + peer["index"])
+        generator = data_stream(config["seed"], peer["index"])
         TimedAdam.seconds = compute = in_step = 0.0
+        averaged: list[int] = []  # sync: the samples each step's round averaged (the group's total)
         sent_before, started = tx_bytes(), time.perf_counter()
         for _ in range(config["steps"]):
             step_started = time.perf_counter()
@@ -204,6 +222,8 @@ def train_one(peer: dict[str, Any], config: dict[str, Any], dht: Any) -> bool:
             opt.step()
             opt.zero_grad()
             in_step += time.perf_counter() - step_started
+            if config["name"] == "sync":
+                averaged.append(opt.last_epoch_samples)
         wall = time.perf_counter() - started
         sent = tx_bytes() - sent_before
         impl = getattr(opt, "algorithm_impl", None)
@@ -211,12 +231,13 @@ def train_one(peer: dict[str, Any], config: dict[str, Any], dht: Any) -> bool:
             impl.settle()  # overlapped rounds in flight: the model every peer evaluates is after them
         path = Path(peer["out"]) / f"{config['name']}{peer['index']}.pt"
         torch.save([p.detach().clone() for p in model.parameters()], path)
+        history = [list(h) for h in list(getattr(impl, "history", []))[-6:]] if not averaged else averaged
         result = {
             "compute": compute + TimedAdam.seconds,
             "wall": wall,
             "waited": in_step - TimedAdam.seconds,
             "bytes_per_step": sent / config["steps"],
-            "history": [list(h) for h in list(getattr(impl, "history", []))[-6:]],
+            "history": history,
         }
         print("result", json.dumps(result), flush=True)
         return True
@@ -228,109 +249,68 @@ def train_one(peer: dict[str, Any], config: dict[str, Any], dht: Any) -> bool:
 
 
 class Swarm:
-    """The peers: one process per namespace, which run the configurations in lockstep."""
+    """The peers: one process per namespace (tests/peer_processes.py) running the configurations in
+    lockstep."""
 
     def __init__(self, topology: Any, peer: dict[str, Any], timeout: float) -> None:
-        self.topology, self.peer, self.timeout = topology, peer, timeout
-        self.processes: list[subprocess.Popen] = []
-        self.lines: list[queue.Queue[str | None]] = []
-        self.logs: list[Any] = []
+        self.topology, self.peer = topology, peer
+        self.peers = PeerProcesses(topology, timeout)
 
     def start(self) -> None:
         initial_peers = self._start(0, [])
         for index in range(1, len(self.topology.peers)):
             self._start(index, initial_peers)
         for index in range(1, len(self.topology.peers)):
-            self.expect(index, "addrs")
+            self.peers.expect(index, "addrs")
 
     def _start(self, index: int, initial_peers: list[str]) -> list[str]:
         peer = self.topology.peers[index]
         config = {**self.peer, "index": index, "address": peer.address, "initial_peers": initial_peers}
-        log = tempfile.TemporaryFile("w+")
         argv = [sys.executable, str(Path(__file__).resolve()), "--peer", json.dumps(config)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        process = self.topology.popen(
-            peer, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env
-        )
-        lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
-        self.processes.append(process)
-        self.lines.append(lines)
-        self.logs.append(log)
-        return json.loads(self.expect(index, "addrs")) if index == 0 else []
-
-    def expect(self, index: int, word: str) -> str:
-        give_up = time.monotonic() + self.timeout
-        while time.monotonic() < give_up:
-            try:
-                line = self.lines[index].get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            if line.startswith(word):
-                return line[len(word) :].strip()
-        self.logs[index].seek(0)
-        raise RuntimeError(
-            f"peer {index} did not say {word!r}; its stderr ends with:\n{self.logs[index].read()[-3000:]}"
-        )
+        self.peers.start(index, argv, env=env)
+        return json.loads(self.peers.expect(index, "addrs")) if index == 0 else []
 
     def run(self, name: str) -> list[dict[str, Any]]:
         """Runs configuration ``name`` on every peer once all are ready; every peer's result."""
-        for index in range(len(self.processes)):
-            if self.expect(index, "ready") != name:
+        for index in range(len(self.peers)):
+            if self.peers.expect(index, "ready") != name:
                 raise RuntimeError(f"peer {index} is not at configuration {name}")
-        for process in self.processes:
-            process.stdin.write("go\n")
-            process.stdin.flush()
-        return [json.loads(self.expect(i, "result")) for i in range(len(self.processes))]
+        self.peers.send("go")
+        return [json.loads(self.peers.expect(i, "result")) for i in range(len(self.peers))]
 
     def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                try:
-                    process.stdin.close()
-                except OSError:
-                    pass
-        for process in self.processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for log in self.logs:
-            log.close()
+        self.peers.close()
 
 
-def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
-    for line in stream:
-        lines.put(line.rstrip("\n"))
-    lines.put(None)
-
-
-def sync_reference_loss(peers: int, steps: int, teacher: Teacher) -> float:
+def sync_reference(peers: int, steps: int, teacher: Teacher, seed: int) -> torch.nn.Module:
     """Synchronous averaging every step, in one process: Adam on the mean gradient of every peer's batch."""
-    model = make_model()
+    model = make_model(seed)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    generators = [torch.Generator().manual_seed(100 + index) for index in range(peers)]
+    generators = [data_stream(seed, index) for index in range(peers)]
     for _ in range(steps):
         opt.zero_grad()
         for generator in generators:
             x, y = teacher.batch(generator, BATCH)
             (torch.nn.functional.mse_loss(model(x), y) / peers).backward()
         opt.step()
-    return held_out_loss([model], teacher)
+    return model
 
 
-def summarize(results: list[dict[str, Any]], name: str, peers: int, out: Path, teacher: Teacher) -> dict[str, Any]:
-    """The configuration's figures: means over the peers, the held-out loss of their final models."""
+def load_models(name: str, peers: int, out: Path, seed: int) -> list[torch.nn.Module]:
+    """The peers' final models of configuration ``name``."""
     models = []
     for index in range(peers):
-        model = make_model()
+        model = make_model(seed)
         with torch.no_grad():
             for param, value in zip(model.parameters(), torch.load(out / f"{name}{index}.pt"), strict=True):
                 param.copy_(value)
         models.append(model)
+    return models
+
+
+def summarize(results: list[dict[str, Any]], models: list[torch.nn.Module], teacher: Teacher) -> dict[str, Any]:
+    """The configuration's figures: means over the peers, the held-out loss of their final models."""
     return {
         "utilization": sum(r["compute"] / r["wall"] for r in results) / len(results),
         "bytes_per_step": sum(r["bytes_per_step"] for r in results) / len(results),
@@ -341,6 +321,16 @@ def summarize(results: list[dict[str, Any]], name: str, peers: int, out: Path, t
     }
 
 
+@torch.no_grad()
+def max_difference(models: list[torch.nn.Module], reference: torch.nn.Module) -> float:
+    """The largest difference of any parameter of any model from the reference's."""
+    return max(
+        float((p - q).abs().max())
+        for model in models
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+
 def main() -> None:
     from common import describe_machine, emit, higher_is_better, lower_is_better
     from netns import Link, Topology, unavailable_reason
@@ -349,28 +339,35 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--rate-mbit", type=float, default=20.0)
-    parser.add_argument("--inner-steps", type=int, default=10, help="H (the issue's setting: 100)")
-    parser.add_argument("--steps", type=int, default=30, help="inner steps per peer (equal samples in every config)")
-    parser.add_argument("--sync-steps", type=int, default=3, help="steps of synchronous averaging measured")
-    parser.add_argument("--step-seconds", type=float, default=0.5, help="simulated compute per step")
-    parser.add_argument("--fragments", type=int, default=1, help="fragments of the overlapped configs")
-    parser.add_argument("--density", type=float, default=0.05, help="top-k density of overlap_sparse")
-    parser.add_argument("--bits", type=int, default=4, help="bits per kept value of overlap_sparse")
+    parser.add_argument("--full", action="store_true", help=f"the issue's H: {FULL} unless given")
+    parser.add_argument("--inner-steps", type=int, default=None, help=f"H (default {QUICK['inner_steps']})")
+    parser.add_argument("--steps", type=int, default=None, help=f"inner steps per peer (default {QUICK['steps']})")
+    parser.add_argument("--sync-steps", type=int, default=3, help="steps of synchronous averaging over the links")
+    parser.add_argument("--step-seconds", type=float, default=0.3, help="simulated compute per step")
+    parser.add_argument("--fragments", type=int, default=4, help="fragments of the streaming config")
+    parser.add_argument("--density", type=float, default=0.25, help="top-k density of the sparse configs")
+    parser.add_argument("--bits", type=int, default=4, help="bits per kept value of the sparse configs")
+    parser.add_argument("--seed", type=int, default=0, help="the model's initialization and the data streams")
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--averaging-timeout", type=float, default=60.0)
     parser.add_argument("--next-chunk-timeout", type=float, default=15.0)
     args = parser.parse_args()
+    preset = FULL if args.full else QUICK
+    inner_steps = args.inner_steps if args.inner_steps is not None else preset["inner_steps"]
+    steps = args.steps if args.steps is not None else preset["steps"]
     missing = unavailable_reason()
     if missing is not None:
         raise SystemExit(f"thin_link needs network namespaces (run as root): {missing}")
     print(f"machine: {describe_machine()}; load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"H = {inner_steps}, {steps} steps, {args.step_seconds} s per step, seed {args.seed}", flush=True)
     base = dict(
         peers=args.peers,
-        inner_steps=args.inner_steps,
+        inner_steps=inner_steps,
         step_seconds=args.step_seconds,
         fragments=args.fragments,
         density=args.density,
         bits=args.bits,
+        seed=args.seed,
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
         next_chunk_timeout=args.next_chunk_timeout,
@@ -378,9 +375,8 @@ def main() -> None:
     )
     teacher = Teacher()
     measured: dict[str, dict[str, Any]] = {}
-    configs = [
-        {**base, "name": name, "steps": args.sync_steps if name == "sync" else args.steps} for name in args.configs
-    ]
+    configs = [{**base, "name": name, "steps": args.sync_steps if name == "sync" else steps} for name in args.configs]
+    began = time.perf_counter()
     with (
         tempfile.TemporaryDirectory() as out,
         Topology([Link(rate_mbit=args.rate_mbit)] * args.peers, prefix="hxtl") as topology,
@@ -390,23 +386,37 @@ def main() -> None:
             swarm.start()
             for config in configs:
                 name, started = config["name"], time.perf_counter()
-                figures = summarize(swarm.run(name), name, args.peers, Path(out), teacher)
+                results = swarm.run(name)
+                models = load_models(name, args.peers, Path(out), args.seed)
+                figures = summarize(results, models, teacher)
+                note = ""
                 if name == "sync":
-                    figures["loss"] = sync_reference_loss(args.peers, args.steps, teacher)
+                    # the real rounds against the exact equivalent of the same steps; the loss at the
+                    # others' samples is the equivalent's
+                    reference = sync_reference(args.peers, args.sync_steps, teacher, args.seed)
+                    note = (
+                        f"; after {args.sync_steps} steps over the links: loss {figures['loss']:.4f}, in-process "
+                        f"{held_out_loss([reference], teacher):.4f}, max parameter difference "
+                        f"{max_difference(models, reference):.2e}; samples averaged per step {figures['history']}"
+                    )
+                    figures["loss"] = None  # the in-process equivalent at the others' samples, once the links are idle
                 measured[name] = figures
+                loss = "(below)" if figures["loss"] is None else f"{figures['loss']:.4f}"
                 print(
                     f"{name:>15}: utilization {figures['utilization']:6.1%}, "
                     f"{figures['bytes_per_step'] / 1e3:9.1f} kB sent per peer per step, held-out loss "
-                    f"{figures['loss']:.4f} ({config['steps']} steps in {figures['wall']:.1f} s, "
+                    f"{loss} ({config['steps']} steps in {figures['wall']:.1f} s, "
                     f"{figures['waited']:.1f} s of them in step() beyond the inner step; with set-up "
-                    f"{time.perf_counter() - started:.0f} s; load {os.getloadavg()[0]:.1f}); "
-                    f"last rounds: {figures['history'][-4:]}",
+                    f"{time.perf_counter() - started:.0f} s; load {os.getloadavg()[0]:.1f})"
+                    + (note or f"; last rounds: {figures['history'][-4:]}"),
                     flush=True,
                 )
         finally:
             swarm.close()
-    start_loss = held_out_loss([make_model()], teacher)
-    print(f"held-out loss of the initial model: {start_loss:.4f}")
+    if "sync" in measured:
+        measured["sync"]["loss"] = held_out_loss([sync_reference(args.peers, steps, teacher, args.seed)], teacher)
+        print(f"{'sync':>15}: held-out loss {measured['sync']['loss']:.4f} (in-process, {steps} steps)", flush=True)
+    print(f"held-out loss of the initial model: {held_out_loss([make_model(args.seed)], teacher):.4f}")
     # the baseline of the byte goal: a butterfly all-reduce of float32 gradients every step, in which
     # each peer sends (n-1)/n of its values to the owners and (n-1)/n of its own part back
     numel = sum(p.numel() for p in make_model().parameters())
@@ -414,27 +424,26 @@ def main() -> None:
     print(f"synchronous fp32 averaging sends {fp32 / 1e6:.1f} MB per peer per step (payload, computed)")
     for name, figures in measured.items():
         print(f"{name:>15}: {fp32 / figures['bytes_per_step']:8.1f}x fewer bytes per step than sync fp32")
+    if "diloco" in measured:
+        for name, figures in measured.items():
+            ratio = figures["loss"] / measured["diloco"]["loss"]
+            print(f"{name:>15}: held-out loss {ratio:.4f}x DiLoCo fp16's")
+    print(f"wall time {time.perf_counter() - began:.0f} s; load {os.getloadavg()[0]:.1f}", flush=True)
     hivemind_figures = measured.get("hivemind", {})
-    reference = {k: round(v, 5) for k, v in hivemind_figures.items() if k != "history"}
+    theirs = {k: round(v, 5) for k, v in hivemind_figures.items() if k != "history"}
     results = []
     for name, figures in measured.items():
         if name == "hivemind":
             continue
-        theirs = reference
-        results.append(
-            higher_is_better(
-                f"{name} utilization", "fraction", round(figures["utilization"], 4), theirs.get("utilization")
-            )
-        )
-        results.append(
-            lower_is_better(
-                f"{name} bytes per step",
-                "bytes/peer/step",
-                round(figures["bytes_per_step"]),
-                theirs.get("bytes_per_step"),
-            )
-        )
+        utilization = round(figures["utilization"], 4)
+        results.append(higher_is_better(f"{name} utilization", "fraction", utilization, theirs.get("utilization")))
+        sent = round(figures["bytes_per_step"])
+        results.append(lower_is_better(f"{name} bytes per step", "bytes/peer/step", sent, theirs.get("bytes_per_step")))
         results.append(lower_is_better(f"{name} held-out loss", "mse", round(figures["loss"], 5), theirs.get("loss")))
+        results.append(higher_is_better(f"{name} fewer bytes than sync fp32", "x", round(fp32 / sent, 1), None))
+        if "diloco" in measured:
+            ratio = round(figures["loss"] / measured["diloco"]["loss"], 4)
+            results.append(lower_is_better(f"{name} loss / DiLoCo fp16 loss", "ratio", ratio, None))
     emit("thin_link", results)
 
 

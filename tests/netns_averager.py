@@ -19,14 +19,12 @@ mean of compressed contributions, compressed again, errs by about twice that).
 from __future__ import annotations
 
 import json
-import queue
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from peer_processes import PeerProcesses
 
 
 def exact_mean(numel: int, contributors: list[int]) -> Any:
@@ -163,11 +161,9 @@ class AveragerSwarm:
     def __init__(
         self, topology: Any, configs: list[dict[str, Any]], python: list[str] | None = None, timeout: float = 120.0
     ) -> None:
-        self.topology, self.configs, self.timeout = topology, configs, timeout
+        self.topology, self.configs = topology, configs
         self.python = python or [sys.executable] * len(configs)
-        self.processes: list[subprocess.Popen] = []
-        self.lines: list[queue.Queue[str | None]] = []
-        self.logs: list[Any] = []
+        self.peers = PeerProcesses(topology, timeout)
 
     def __enter__(self) -> AveragerSwarm:
         try:
@@ -176,8 +172,8 @@ class AveragerSwarm:
                 self._start(index, initial_peers)
             for index in range(len(self.configs)):
                 if index:
-                    self._expect(index, "addrs")
-                self._expect(index, "ready")
+                    self.peers.expect(index, "addrs")
+                self.peers.expect(index, "ready")
         except BaseException:
             self.close()
             raise
@@ -190,65 +186,21 @@ class AveragerSwarm:
         """Starts peer ``index``; the first peer's multiaddrs are awaited and returned."""
         peer = self.topology.peers[index]
         config = {**self.configs[index], "index": index, "address": peer.address, "initial_peers": initial_peers}
-        log = tempfile.TemporaryFile("w+")
-        argv = [self.python[index], str(Path(__file__).resolve()), json.dumps(config)]
-        process = self.topology.popen(peer, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-        lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
-        self.processes.append(process)
-        self.lines.append(lines)
-        self.logs.append(log)
-        return json.loads(self._expect(index, "addrs")) if index == 0 else None
-
-    def _expect(self, index: int, word: str) -> str:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                line = self.lines[index].get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                raise RuntimeError(f"peer {index} said no {word!r} in time:\n{self.stderr(index)}")
-            head, _, rest = line.partition(" ")
-            if head == word:
-                return rest
+        self.peers.start(index, [self.python[index], str(Path(__file__).resolve()), json.dumps(config)])
+        return json.loads(self.peers.expect(index, "addrs")) if index == 0 else None
 
     def stderr(self, index: int) -> str:
-        log = self.logs[index]
-        log.seek(0)
-        return log.read()[-4000:]
+        return self.peers.stderr(index)
 
     def run_round(self) -> list[dict[str, Any]]:
-        for process in self.processes:
-            process.stdin.write("go\n")
-            process.stdin.flush()
-        results = [json.loads(self._expect(index, "result")) for index in range(len(self.processes))]
-        for index in range(len(self.processes)):
-            self._expect(index, "ready")
+        self.peers.send("go")
+        results = [json.loads(self.peers.expect(index, "result")) for index in range(len(self.peers))]
+        for index in range(len(self.peers)):
+            self.peers.expect(index, "ready")
         return results
 
     def close(self) -> None:
-        for process in self.processes:
-            try:
-                process.stdin.write("stop\n")
-                process.stdin.flush()
-            except (OSError, ValueError):
-                pass
-        for process in self.processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for log in self.logs:
-            log.close()
-        self.processes, self.lines, self.logs = [], [], []
-
-
-def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
-    for line in stream:
-        lines.put(line.rstrip("\n"))
-    lines.put(None)
+        self.peers.close()
 
 
 def round_seconds(results: list[dict[str, Any]]) -> float:
