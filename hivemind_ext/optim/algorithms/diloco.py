@@ -122,8 +122,9 @@ class DiLoCo(Algorithm):
       ``f`` averages at inner steps ``f * H // F + k * H``, so each round carries 1/F of the model
     :param alpha: with ``overlap``: how much of a fragment's outer update enters the local parameters
       when it arrives: ``params += alpha * (new_anchor - params_at_round_start)`` (1.0, the default:
-      the swarm's parameters plus the inner steps made during the round; Streaming DiLoCo's mixing
-      factor, the weight of the local parameters, is ``1 - alpha``)
+      the swarm's parameters plus the inner steps made during the round). The result is
+      ``(1 - alpha) * params_at_round_start + alpha * new_anchor`` plus the inner steps made while
+      the round ran, which always keep weight 1: alpha mixes the round's snapshot, not those steps
     """
 
     def __init__(
