@@ -76,22 +76,20 @@ def _weights(averagers: list[TrainingStateAverager]) -> list[float]:
     return [float(a.training_state.main_params[0].detach()[0, 0]) for a in averagers]
 
 
-@pytest.mark.parametrize("epochs, applied, expected", [((4, 4), True, [2.0, 2.0]), ((4, 5), False, [1.0, 3.0])])
-def test_rounds_of_different_epochs_are_discarded(pair, epochs, applied, expected) -> None:
-    averagers = _averagers(pair, (1.0, 3.0))
-    try:
-        assert _round(averagers, epochs) == [applied, applied]
-        assert _weights(averagers) == pytest.approx(expected)
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-
-
-@pytest.mark.parametrize("epochs, applied, expected", [((4, 5), True, [2.0, 2.0]), ((4, 7), False, [1.0, 3.0])])
-def test_rounds_in_rotating_groups_may_mix_nearby_epochs(pair, epochs, applied, expected) -> None:
-    # in groups smaller than the swarm, groups keep their own pace: discarding every round that mixed
-    # neighbouring epochs left groups unmixed (before: (4, 5) was discarded as in one group)
-    averagers = _averagers(pair, (1.0, 3.0), in_groups=True)
+@pytest.mark.parametrize(
+    "in_groups, epochs, applied, expected",
+    [
+        (False, (4, 4), True, [2.0, 2.0]),
+        (False, (4, 5), False, [1.0, 3.0]),
+        # in groups smaller than the swarm, groups keep their own pace: discarding every round that mixed
+        # neighbouring epochs left groups unmixed (before: (4, 5) was discarded as in one group)
+        (True, (4, 5), True, [2.0, 2.0]),
+        (True, (4, 7), False, [1.0, 3.0]),
+    ],
+)
+def test_rounds_of_distant_epochs_are_discarded(pair, in_groups, epochs, applied, expected) -> None:
+    """One group of everyone discards any round that mixed epochs; rotating groups accept neighbours."""
+    averagers = _averagers(pair, (1.0, 3.0), in_groups=in_groups)
     try:
         assert _round(averagers, epochs) == [applied, applied]
         assert _weights(averagers) == pytest.approx(expected)
