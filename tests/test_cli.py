@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from swarm import addresses, new_peer
 
 from hivemind_ext.cli import run
 from hivemind_ext.demo.commands import example_main
@@ -190,6 +191,27 @@ def test_a_dht_that_cannot_start_ends_in_one_line() -> None:
     result = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=100)
     assert result.returncode == 1
     assert "could not start the DHT" in one_line_error(result)
+
+
+@pytest.mark.timeout(90)
+def test_a_join_whose_swarm_is_gone_gives_up_in_one_line() -> None:
+    """The join command's initial peer leaves and no other peer of the run is online: the joiner stops with
+    one actionable line after ``--alone-timeout`` (it used to train alone for ever, as if it had joined)."""
+    alone_timeout = 3.0
+    initial = new_peer()  # a DHT peer with no trainer: the joiner bootstraps from it and is alone in the run
+    try:
+        args = ["join", "--initial-peers", *addresses(initial), "--epochs", "100000", "--alone-timeout", "3"]
+        with running([*cli(), *args]) as joiner:
+            joiner.wait_for_line(r"^joined run 'digits'", timeout=60)
+            initial.shutdown()  # the initial peer is gone too
+            left = time.monotonic()
+            assert joiner.wait(timeout=alone_timeout + 20) == 1, joiner.output
+            assert time.monotonic() - left < alone_timeout + 10
+            errors = [line for line in joiner.lines if line.startswith("error:")]
+            assert len(errors) == 1 and "no other peer of run 'digits' was online for 3 s" in errors[0], joiner.output
+            assert "Traceback" not in joiner.output, joiner.output
+    finally:
+        initial.shutdown()
 
 
 # ------------------------------------------------------------------- README: training across machines

@@ -152,7 +152,7 @@ def report_swarm(run: SwarmRun, total_seconds: float) -> None:
 
 def run_join(args: argparse.Namespace) -> int:
     """One peer, in this process, that joins the swarm at ``args.initial_peers`` and trains to ``args.epochs``."""
-    config = replace(base_config(args), client_mode=args.client_mode)
+    config = replace(base_config(args), client_mode=args.client_mode, alone_timeout=args.alone_timeout)
     display = ProgressDisplay(args.epochs, sys.stdout)
 
     def report(kind: str, payload: dict[str, Any]) -> None:
