@@ -160,6 +160,7 @@ __all__ = [
     "RoundHooks",
 ]
 
+
 class AllreduceService:
     """Runs all-reduce rounds for one peer and serves the parts it owns.
 
@@ -415,6 +416,7 @@ class AllreduceService:
                     if not arrival.is_set():
                         self._arrivals.pop(group_id, None)
 
+
 def _with_round_timeout(config: AllreduceConfig, predicted: float | None) -> AllreduceConfig:
     """``config`` with the whole-round deadline the prediction sets (see :mod:`.round_time`), and the
     owners' collect deadline stretched in proportion."""
@@ -424,6 +426,7 @@ def _with_round_timeout(config: AllreduceConfig, predicted: float | None) -> All
     scale = seconds / config.allreduce_timeout
     return dataclasses.replace(config, allreduce_timeout=seconds, collect_timeout=config.collect_timeout * scale)
 
+
 def _my_index(group: GroupInfo, peer_id: PeerID) -> int:
     names = [member.peer_id for member in group.members]
     if len(set(names)) != len(names):
@@ -432,6 +435,7 @@ def _my_index(group: GroupInfo, peer_id: PeerID) -> int:
         return group.index_of(peer_id)
     except ValueError as e:
         raise AllreduceError(str(e)) from None
+
 
 def _checked_infos(infos: Sequence[CompressionInfo] | None, count: int) -> Sequence[CompressionInfo] | None:
     if infos is None:
