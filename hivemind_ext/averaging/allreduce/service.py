@@ -110,11 +110,7 @@ from hivemind_ext.averaging.allreduce.api import (
     PartOutcome,
     RoundHooks,
 )
-from hivemind_ext.averaging.allreduce.layout import (
-    check_float_tensors,
-    member_roles,
-    plan_layout,
-)
+from hivemind_ext.averaging.allreduce.layout import check_float_tensors, plan_round_layout
 from hivemind_ext.averaging.allreduce.round_state import CodecRunner, RoundContext, RoundTensors
 from hivemind_ext.averaging.allreduce.round_time import MAX_ROUND_SECONDS, predict_round_seconds, round_timeout
 from hivemind_ext.averaging.allreduce.run import MAX_GATHER_BYTES, RoundRun
@@ -315,7 +311,7 @@ class AllreduceService:
         layout = None
         if specs or not group.members[me].auxiliary:  # an auxiliary member without tensors learns them
             try:
-                layout = plan_layout(specs, member_roles(group.members), config.part_size_bytes)
+                layout = plan_round_layout(specs, group.members, config.part_size_bytes)
             except ConfigurationError as e:
                 raise AllreduceError(f"group {group.group_id.hex()} cannot run: {e}") from e
         if config.adaptive_deadline:
