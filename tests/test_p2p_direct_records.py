@@ -29,8 +29,8 @@ from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Message, RPCClien
 from hivemind_ext.p2p.direct_address import choose_direct_address
 from hivemind_ext.p2p.direct_client import DirectConnector
 from hivemind_ext.p2p.direct_records import (
-    FREE_SEND_BUFFERS,
     CALLER,
+    FREE_RECORD_BUFFERS,
     LENGTH,
     MAX_RECORD_BYTES,
     SERVER,
@@ -315,21 +315,20 @@ async def test_a_closed_connections_sent_buffers_seal_the_next_connections_recor
     # connections, so that a new connection does not pay for fresh megabytes; only buffers the
     # transport has sent are reused, and what a reused buffer carries arrives intact.
     chunks = [os.urandom(MAX_RECORD_BYTES - i) for i in range(6)]
-    pooled = None
-    for _ in range(2):
+    for connection_index in range(2):
         async with Sealed() as connection:
             _, writer = seal(connection.client_reader, connection.writer, connection.key, CALLER)
-            for index, chunk in enumerate(chunks):
+            pooled = len(FREE_RECORD_BUFFERS)
+            for chunk in chunks:
                 writer.write(chunk)
-                if index == 0 and pooled is not None:  # the first record took a buffer of the last connection
-                    assert len(FREE_SEND_BUFFERS) == pooled - 1
+                if connection_index == 1 and chunk is chunks[0]:  # sealed into a buffer of the last connection
+                    assert pooled >= 1 and len(FREE_RECORD_BUFFERS) == pooled - 1
             received = await asyncio.wait_for(connection.reader.readexactly(sum(map(len, chunks))), 20)
             assert received == b"".join(chunks)
             await asyncio.wait_for(writer.drain(), 5)
             assert writer.transport.get_write_buffer_size() == 0
             writer.close()  # everything was sent: every buffer goes back
-            pooled = len(FREE_SEND_BUFFERS)
-            assert 1 <= pooled <= FREE_SEND_BUFFERS.max_buffers
+            assert 1 <= len(FREE_RECORD_BUFFERS) <= FREE_RECORD_BUFFERS.max_buffers
 
 
 def _length(value: int) -> bytes:

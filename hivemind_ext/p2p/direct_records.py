@@ -151,8 +151,8 @@ class RecordOpener:
             if not TAG_BYTES <= sealed <= MAX_RECORD_BYTES + TAG_BYTES:
                 raise ProtocolError(f"a direct-path record announces {sealed} bytes (at most {MAX_RECORD_BYTES})")
             self._end = LENGTH.size + sealed
-            if len(self._buffer) < self._end:  # grows once per larger record size, up to the bound
-                grown = bytearray(self._end)
+            if len(self._buffer) < self._end:  # grows once, to the largest record's size (from the shared pool)
+                grown = FREE_RECORD_BUFFERS.take()
                 grown[: self._filled] = memoryview(self._buffer)[: self._filled]
                 self._buffer = grown
         if self._filled < self._end:
@@ -173,6 +173,13 @@ class RecordOpener:
                 view[:rest] = view[self._end : self._filled]
         self._filled, self._end = rest, 0
 
+    def release(self) -> None:
+        """Gives the record buffer back to the shared pool (the connection ended); only a buffer that
+        holds no unopened record is given back, and this opener then receives nothing more."""
+        if self._filled == 0 and len(self._buffer) == RECORD_BUFFER_BYTES:
+            FREE_RECORD_BUFFERS.give_back([self._buffer])
+            self._buffer = bytearray(0)
+
     def open(self, size: int) -> memoryview:
         """Decrypts the complete record (of ``size`` plaintext bytes) into a scratch buffer, valid
         until the next call."""
@@ -191,9 +198,10 @@ class SendBuffers:
     object, they do not copy it), so a buffer is reused only once the transport's queue is shorter
     than what was written after it: transports send in write order, so the bytes still queued are
     always the newest ones written. Sent buffers go to a pool that every connection of the process
-    shares (:data:`FREE_SEND_BUFFERS`): an all-reduce opens new connections every round, and with a
-    pool per connection each of them paid for fresh buffers (about 3% of a peer's event-loop time in
-    a profile of ``benchmarks/averaging.py``, before the page faults they cost)."""
+    shares (:data:`FREE_RECORD_BUFFERS`, which also serves the receiving side's record buffers): an
+    all-reduce opens new connections every round, and with a pool per connection each of them paid
+    for fresh buffers (about 3% of a peer's event-loop time in a profile of
+    ``benchmarks/averaging.py``)."""
 
     def __init__(self, transport: asyncio.WriteTransport) -> None:
         self._transport = transport
@@ -203,7 +211,7 @@ class SendBuffers:
     def take(self) -> bytearray:
         """A buffer of RECORD_BUFFER_BYTES that no transport reads."""
         self.reclaim()
-        return FREE_SEND_BUFFERS.take()
+        return FREE_RECORD_BUFFERS.take()
 
     def sent(self, buffer: bytearray, size: int) -> None:
         """``size`` bytes of ``buffer`` were just written to the transport."""
@@ -222,12 +230,13 @@ class SendBuffers:
             buffer, size = self._in_flight.popleft()
             self._in_flight_bytes -= size
             freed.append(buffer)
-        FREE_SEND_BUFFERS.give_back(freed)
+        FREE_RECORD_BUFFERS.give_back(freed)
 
 
-class FreeSendBuffers:
-    """Record buffers that no transport holds, shared by the connections (and event loops) of a
-    process; at most ``max_buffers`` are kept. Thread-safe."""
+class FreeRecordBuffers:
+    """Record buffers of RECORD_BUFFER_BYTES that no transport or opener holds, shared by the
+    connections (and event loops) of a process, sending and receiving; at most ``max_buffers`` are
+    kept. Thread-safe."""
 
     def __init__(self, max_buffers: int) -> None:
         self.max_buffers = max_buffers
@@ -249,7 +258,7 @@ class FreeSendBuffers:
                 self._free += buffers[: self.max_buffers - len(self._free)]
 
 
-FREE_SEND_BUFFERS = FreeSendBuffers(MAX_FREE_BUFFERS)
+FREE_RECORD_BUFFERS = FreeRecordBuffers(MAX_FREE_BUFFERS)
 
 
 class SealedWriter(asyncio.StreamWriter):
