@@ -487,7 +487,7 @@ def main() -> None:
             print(f"{name:>15}: held-out loss {ratio:.4f}x DiLoCo fp16's")
     print(f"wall time {time.perf_counter() - began:.0f} s; load {os.getloadavg()[0]:.1f}", flush=True)
     hivemind_figures = measured.get("hivemind", {})
-    theirs = {k: round(v, 5) for k, v in hivemind_figures.items() if k != "history"}
+    theirs = {k: round(v, 5) for k, v in hivemind_figures.items() if isinstance(v, (int, float))}
     results = []
     for name, figures in measured.items():
         if name == "hivemind":
