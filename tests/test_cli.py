@@ -204,9 +204,8 @@ def test_a_join_whose_swarm_is_gone_gives_up_in_one_line() -> None:
         with running([*cli(), *args]) as joiner:
             joiner.wait_for_line(r"^joined run 'digits'", timeout=60)
             initial.shutdown()  # the initial peer is gone too
-            left = time.monotonic()
-            assert joiner.wait(timeout=alone_timeout + 20) == 1, joiner.output
-            assert time.monotonic() - left < alone_timeout + 10
+            # the deadline, then the peer's own shutdown (seconds on a loaded machine); before: never
+            assert joiner.wait(timeout=alone_timeout + 30) == 1, joiner.output
             errors = [line for line in joiner.lines if line.startswith("error:")]
             assert len(errors) == 1 and "no other peer of run 'digits' was online for 3 s" in errors[0], joiner.output
             assert "Traceback" not in joiner.output, joiner.output

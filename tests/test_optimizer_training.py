@@ -105,7 +105,7 @@ OPTIMIZERS = {
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_synchronous_training_matches_single_process_reference(dhts, name):
-    target_epoch, make_optimizer = 5, OPTIMIZERS[name]
+    target_epoch, make_optimizer = 4, OPTIMIZERS[name]  # every epoch is checked exactly: four show it as well
     run = with_one_retry(
         lambda: run_swarm(
             dhts[:NUM_PEERS],
@@ -141,7 +141,7 @@ def test_synchronous_training_matches_single_process_reference(dhts, name):
 
     reference, loss_gaps = reference_training(run, regression_model, make_optimizer, range(target_epoch))
     expected = torch.cat([p.detach().flatten() for p in reference.parameters()])
-    # tolerance: float32 sums in another order (per-peer weighted means vs one mean) over 5 steps
+    # tolerance: float32 sums in another order (per-peer weighted means vs one mean) over 4 steps
     assert max_relative_gap(final[0], expected) <= 1e-5
     # each peer's loss on each batch is the reference model's loss at that epoch
     assert max(loss_gaps.values()) <= 1e-5, loss_gaps
@@ -232,7 +232,7 @@ MODES = {
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_mode_trains_together(dhts, mode):
-    target_epoch = 5
+    target_epoch = 4  # the loss ratio below reads 0.35-0.55 after 4 epochs, 0.55-0.62 after 3 (bound 0.7)
     overrides, target_batch_size, tolerance = MODES[mode]
     run = with_one_retry(
         lambda: run_swarm(
@@ -271,3 +271,30 @@ def test_mode_trains_together(dhts, mode):
         assert max(gaps) <= tolerance * moved, f"peers differ by {gaps}, training moved them by {moved}"
     else:
         assert max(gaps) <= tolerance, gaps
+
+
+@pytest.mark.timeout(60)
+def test_state_rounds_form_as_soon_as_every_peer_is_looking(dhts):
+    """State rounds are planned as gradient rounds are (RoundDriver.plan_after): once a round had a group,
+    the next forms as soon as every expected peer is looking. They used to wait a whole matchmaking time
+    every epoch: with local updates and ``delay_state_averaging=False`` the three rounds below blocked
+    each peer for at least 3 x ``matchmaking_time``; now only the first does (no round had a group yet)."""
+    matchmaking_time, target_epoch = 3.0, 3
+    run = run_swarm(
+        dhts[:2],
+        run_id=run_id("state_rounds_expect_peers"),
+        target_epoch=target_epoch,
+        optimizer_kwargs=common_kwargs(
+            target_batch_size=32,
+            optimizer=SGD,
+            use_local_updates=True,
+            delay_state_averaging=False,
+            matchmaking_time=matchmaking_time,
+        ),
+        sleep=0.02,
+        max_seconds=40.0,
+    )
+    assert_healthy(run, target_epoch)
+    blocked = [opt.blocked_seconds for opt in run.optimizers]
+    assert max(blocked) < 2 * matchmaking_time, f"state rounds blocked the peers for {blocked} s"
+    assert [opt.state_averager.last_round.group_size for opt in run.optimizers] == [2, 2]  # they did average
