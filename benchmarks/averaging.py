@@ -94,7 +94,8 @@ def peer_main(
     turn: Any,
 ) -> None:
     """One peer process: join the swarm, then run the rounds, each when ``turn`` lets it (a semaphore
-    the coordinator releases once per peer and round), reporting (index, round, t0, t1, bytes)."""
+    the coordinator releases once per peer and round), reporting (index, round, t0, t1, bytes, ok,
+    all-reduce seconds, this process's CPU seconds during the step)."""
     import hivemind
     import torch
 
@@ -104,19 +105,19 @@ def peer_main(
         dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         tensor = torch.randn(SIZES[args.size], generator=torch.Generator().manual_seed(index))
         averager = make_averager(impl, codec, tensor, dht, f"bench_{impl}_{codec}", args.peers, transport)
-        results.put((index, None, 0.0, 0.0, None, True, None))  # ready
+        results.put((index, None, 0.0, 0.0, None, True, None, None))  # ready
         for round_index in range(args.rounds + 1):  # round 0 warms up connections
             turn.acquire(timeout=STEP_TIMEOUT + 600)
             barrier.wait(timeout=120)
-            start = time.time()
+            start, cpu_start = time.time(), time.process_time()
             outcome = averager.step(timeout=STEP_TIMEOUT)
-            finish = time.time()
+            finish, cpu = time.time(), time.process_time() - cpu_start
             report = getattr(averager, "last_round", None)  # ours only: what the step's all-reduce did
             sent = getattr(report, "bytes_sent", None)
             allreduce = getattr(report, "seconds", None)
-            results.put((index, round_index, start, finish, sent, outcome is not None, allreduce))
+            results.put((index, round_index, start, finish, sent, outcome is not None, allreduce, cpu))
     except Exception:
-        results.put((index, -1, 0.0, 0.0, None, traceback.format_exc(), None))
+        results.put((index, -1, 0.0, 0.0, None, traceback.format_exc(), None, None))
     finally:
         if averager is not None:
             averager.shutdown()
@@ -147,6 +148,7 @@ class Swarm:
         self.times: list[float] = []
         self.sent: list[int] = []
         self.allreduce: list[float] = []  # ours: the longest all-reduce of the round (the rest is matchmaking)
+        self.cpu: list[float] = []  # the peer processes' CPU seconds in the round, all together
         try:
             self._collect(warm_up=True)  # every peer is ready
         except BaseException:
@@ -163,6 +165,7 @@ class Swarm:
             self.sent.extend(r[4] for r in rows if r[4] is not None)
             if all(r[6] is not None for r in rows):
                 self.allreduce.append(max(r[6] for r in rows))
+            self.cpu.append(sum(r[7] for r in rows))
 
     def _collect(self, warm_up: bool = False) -> list[tuple]:
         rows = []
@@ -256,6 +259,8 @@ def main() -> None:
                 allreduce = statistics.median(swarm.allreduce)
                 rest = ours - allreduce
                 print(f"{label:24s} of which all-reduce {allreduce:.3f} s, matchmaking and the rest {rest:.3f} s")
+            # steadier than wall time under load; ours only: hivemind's averager runs in a child process
+            print(f"{label:24s} CPU of our {args.peers} peer processes per round: {statistics.median(swarm.cpu):.3f} s")
             case = f"{codec} {args.peers} peers {args.size} {transport}"
             results.append(lower_is_better(case, "s/round", round(ours, 4), hm_median and round(hm_median, 4)))
             if sent:

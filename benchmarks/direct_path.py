@@ -90,8 +90,8 @@ def serve(connection: Any) -> None:
 
 async def _measure(
     maddrs: list[str], args: argparse.Namespace
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """(MB/s per path, CPU seconds per GB of the caller's and server's processes per path)."""
+) -> tuple[dict[str, list[float]], dict[str, list[tuple[float, float]]]]:
+    """(MB/s per path, (caller's, server's) process CPU seconds per GB per path)."""
     from hivemind.p2p import P2P
 
     from hivemind_ext.p2p import DirectClientConfig, Limits, Message, RPCClient
@@ -111,7 +111,7 @@ async def _measure(
     payload = bytes(MESSAGE)
     count = max(1, args.mb * MB // MESSAGE)
     rates: dict[str, list[float]] = {name: [] for name in PATHS}
-    cpu: dict[str, list[float]] = {name: [] for name in PATHS}
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in PATHS}
     for repeat in range(args.repeats + 1):  # the first round warms connections and tickets up
         for name, client in clients.items():
             started, cpu_started = time.perf_counter(), time.process_time()
@@ -124,7 +124,8 @@ async def _measure(
                 raise RuntimeError(f"{name}: {answer.header} instead of {count * MESSAGE} bytes over {expected}")
             if repeat:
                 rates[name].append(count * MESSAGE / elapsed / 1e6)
-                cpu[name].append((caller_cpu + answer.header["cpu"]) / (count * MESSAGE / 1e9))
+                gigabytes = count * MESSAGE / 1e9
+                cpu[name].append((caller_cpu / gigabytes, answer.header["cpu"] / gigabytes))
     await p2p.shutdown()
     return rates, cpu
 
@@ -150,9 +151,14 @@ def main() -> None:
     for name, values in rates.items():
         print(f"{name:10s} {medians[name]:8.1f} MB/s  (runs: {', '.join(f'{v:.0f}' for v in values)})")
     print(f"encrypted / plaintext throughput: {medians['encrypted'] / medians['plaintext']:.3f}")
-    cpu_medians = {name: statistics.median(values) for name, values in cpu.items()}
+    cpu_medians = {name: statistics.median(sum(pair) for pair in values) for name, values in cpu.items()}
     for name in ("encrypted", "plaintext"):
-        print(f"{name:10s} {cpu_medians[name]:8.3f} CPU-s per GB, caller + server processes")
+        caller = statistics.median(pair[0] for pair in cpu[name])
+        server = statistics.median(pair[1] for pair in cpu[name])
+        print(
+            f"{name:10s} {cpu_medians[name]:8.3f} CPU-s per GB, caller + server processes"
+            f" (medians: caller {caller:.3f}, server {server:.3f})"
+        )
     cpu_ratio = cpu_medians["plaintext"] / cpu_medians["encrypted"]
     print(f"plaintext CPU / encrypted CPU per byte: {cpu_ratio:.3f}")
     results = [

@@ -146,6 +146,8 @@ def run_case(impl: str, link: str, codec: str, args: argparse.Namespace) -> dict
                     if isinstance(parts, dict)
                     else ""
                 )
+                chunk = results[0].get("chunk_bytes")
+                split += f" chunks {chunk // 1024} KiB" if chunk else ""
                 label = "warm-up" if index == 0 else f"round {index}"
                 print(
                     f"  {impl:8s} {label:8s} {seconds:6.2f} s  max error {max(errors):.3g} (bound {bound:.3g})"

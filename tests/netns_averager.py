@@ -133,6 +133,7 @@ def main(config: dict[str, Any]) -> None:
                         "codec_error": own_error,
                         "peer_id": str(dht.peer_id),
                         "part_sizes": getattr(report, "part_sizes", None),
+                        "chunk_bytes": getattr(report, "chunk_bytes", None),
                         "receive_rate": getattr(report, "receive_rate", None),
                         "declared_bandwidth": declared,
                         "excluded": getattr(report, "excluded", None),

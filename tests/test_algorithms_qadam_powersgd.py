@@ -7,6 +7,7 @@ peers. Network tests train 4 peers (threads, one DHT each) and compare with sync
 
 from __future__ import annotations
 
+import collections
 import statistics
 import threading
 import time
@@ -399,7 +400,7 @@ class Peer:
     model: torch.nn.Module
     opt: hivemind_ext.Optimizer
     dht: hivemind.DHT
-    rounds: list[tuple[bool, int]] = field(default_factory=list)  # (QAdam compressing, bytes) per round
+    rounds: list[tuple[bool, int, int]] = field(default_factory=list)  # (QAdam compressing, bytes, group size)
     round_epochs: list[int] = field(default_factory=list)  # the epoch of each successful round
     error: BaseException | None = None
     died: bool = False
@@ -444,8 +445,9 @@ def train(peer: Peer, until_epoch: int, die_at_epoch: int | None = None) -> None
             epoch = peer.opt.local_epoch
             peer.opt.step()
             peer.opt.zero_grad()
-            if runner is not None and runner.rounds > rounds:
-                peer.rounds.append((bool(getattr(runner.impl, "compressing", False)), runner.bytes_sent - before))
+            if runner is not None and runner.rounds > rounds and runner.last_round is not None:
+                compressing = bool(getattr(runner.impl, "compressing", False))
+                peer.rounds.append((compressing, runner.bytes_sent - before, runner.last_round.group_size))
                 peer.round_epochs.append(epoch)
             time.sleep(0.005)
     except BaseException as e:  # reported by the test
@@ -511,12 +513,21 @@ def test_four_peers_reach_the_loss_of_synchronous_averaging(swarm: list[hivemind
 
 @pytest.mark.timeout(120)
 def test_qadam_sends_about_a_quarter_of_the_bytes_after_warmup(swarm: list[hivemind.DHT]) -> None:
+    """Rounds of the same group size compared: a peer sends 2 (n - 1) / n of its tensors in a group of n, so a
+    warm-up in groups of 2 against 8-bit rounds in groups of 4 would read 1.5x the codec's ratio (0.35+ seen
+    under load), whatever the codec. Measured in full groups of 4: 8766 / 32322 bytes = 0.27."""
     _, peers = result_of("qadam", swarm)
-    warmup = [nbytes for peer in peers for compressing, nbytes in peer.rounds if not compressing and nbytes]
-    compressed = [nbytes for peer in peers for compressing, nbytes in peer.rounds if compressing and nbytes]
-    assert len(warmup) >= 4 and len(compressed) >= 4, peers[0].rounds
+    rounds = [(compressing, nbytes, size) for peer in peers for compressing, nbytes, size in peer.rounds if nbytes]
+    sizes = collections.Counter(size for _, _, size in rounds)
+    size = max(
+        sizes,
+        key=lambda n: min(sum(r[0] == compressing and r[2] == n for r in rounds) for compressing in (False, True)),
+    )
+    warmup = [nbytes for compressing, nbytes, n in rounds if not compressing and n == size]
+    compressed = [nbytes for compressing, nbytes, n in rounds if compressing and n == size]
+    assert len(warmup) >= 4 and len(compressed) >= 4, (size, rounds)
     ratio = statistics.median(compressed) / statistics.median(warmup)
-    assert 0.2 <= ratio <= 0.35, (ratio, peers[0].rounds)
+    assert 0.2 <= ratio <= 0.3, (ratio, size, rounds)
 
 
 @pytest.mark.timeout(120)

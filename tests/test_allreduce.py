@@ -95,6 +95,22 @@ def test_owner_streams_each_averaged_chunk_back_before_its_part_is_complete(swar
     assert timeline.sent[slow, 6] < last_in < timeline.sent[slow, 7]
 
 
+def test_declared_thin_links_make_chunks_smaller_and_the_mean_stays_exact(swarm: Swarm) -> None:
+    # 3 peers at 20 Mbit/s: the pipeline's tail, 2 chunks through a link, fits 0.1 s in one 64 KiB quantum
+    # (layout.round_chunk_bytes); with nothing declared the round keeps the configured 2 MiB
+    peers = swarm.peers[:3]
+    inputs = inputs_for(3, shapes=[(3, 20000)], seed=90)  # parts of 20000 values: 2 chunks of <= 16384, or 1
+    cfg = config(part_size_bytes=2**21)
+    for bandwidth, chunk_bytes, chunks_per_part in [(20.0, 2**16, 2), (None, 2**21, 1)]:
+        timelines = {i: Timeline() for i in range(3)}
+        group = group_of([p.member(bandwidth=bandwidth) for p in peers])
+        outcomes = swarm.run(run_round(peers, group, inputs, config=cfg, hooks=timelines))
+        check_round(peers, inputs, [1.0] * 3, outcomes, honest=range(3))
+        assert all(o.result.complete and o.result.chunk_bytes == chunk_bytes for o in outcomes)
+        for timeline in timelines.values():  # each owner got chunks 0..k-1 from each of the two other peers
+            assert sorted(index for _, index in timeline.received) == sorted(list(range(chunks_per_part)) * 2)
+
+
 def test_butterfly_bytes_match_the_minimum(swarm: Swarm) -> None:
     peers = swarm.peers
     group = group_of([p.member() for p in peers])

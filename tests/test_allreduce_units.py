@@ -12,7 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hivemind_ext.averaging.allreduce.layout import member_roles, plan_layout
+from hivemind_ext.averaging.allreduce.layout import (
+    CHUNK_QUANTUM_BYTES,
+    member_roles,
+    plan_layout,
+    plan_round_layout,
+    round_chunk_bytes,
+)
 from hivemind_ext.averaging.allreduce.partition import MemberRole
 from hivemind_ext.averaging.allreduce.reducer import PartReducer, all_finite
 from hivemind_ext.averaging.allreduce.round_state import chunk_codec
@@ -106,6 +112,34 @@ def test_undeclared_bandwidth_is_the_mean_of_the_declared_ones() -> None:
     members = [Member("a", "x", 1.0), Member("b", "x", None), Member("c", "x", 5.0), Member("d", "x", 9.0, True)]
     assert [role.bandwidth for role in member_roles(members)] == [1.0, 3.0, 5.0, 9.0]
     assert [role.bandwidth for role in member_roles([Member("a", "x")])] == [1.0]
+
+
+def members_at(*mbit: float | None) -> list[Member]:
+    return [Member(f"peer{i}", "x", bandwidth) for i, bandwidth in enumerate(mbit)]
+
+
+def test_chunk_size_follows_the_slowest_declared_link() -> None:
+    limit = 2 * 1024 * 1024
+    # the drain, N - 1 chunks through the slowest link, fits in 0.1 s: 0.1 x 12.5e6 / 3 bytes -> 6 quanta
+    assert round_chunk_bytes(members_at(100.0, 100.0, 100.0, 100.0), limit) == 6 * CHUNK_QUANTUM_BYTES
+    assert round_chunk_bytes(members_at(20.0, 100.0, 100.0, 100.0), limit) == CHUNK_QUANTUM_BYTES
+    assert round_chunk_bytes(members_at(200.0, 200.0, 200.0), limit) == 19 * CHUNK_QUANTUM_BYTES  # 0.1 x 25e6 / 2
+    assert round_chunk_bytes(members_at(5000.0, 5000.0, 5000.0, 5000.0), limit) == limit  # fast links: the limit
+    assert round_chunk_bytes(members_at(None, None, None), limit) == limit  # nobody knows yet: the limit
+    assert round_chunk_bytes(members_at(100.0, None, None, None), limit) == 6 * CHUNK_QUANTUM_BYTES  # as typical
+    assert round_chunk_bytes(members_at(0.0, 100.0), limit) == CHUNK_QUANTUM_BYTES  # a liar gets one quantum, not 0
+    assert round_chunk_bytes(members_at(20.0), limit) == limit  # alone: nothing crosses a link
+    assert round_chunk_bytes(members_at(20.0, 20.0), 4096) == 4096  # never above the configured size
+    # the same on every member: the members' order does not matter, and the layout records the choice
+    assert round_chunk_bytes(members_at(100.0, 300.0, 20.0)[::-1], limit) == round_chunk_bytes(
+        members_at(100.0, 300.0, 20.0), limit
+    )
+    tensors = specs((2**20,))
+    thin = plan_round_layout(tensors, members_at(20.0, 20.0, 20.0, 20.0), limit)
+    unknown = plan_round_layout(tensors, members_at(None, None, None, None), limit)
+    assert (thin.part_size_bytes, unknown.part_size_bytes) == (CHUNK_QUANTUM_BYTES, limit)
+    assert [len(part.chunks) for part in thin.parts] == [16] * 4 and [len(p.chunks) for p in unknown.parts] == [1] * 4
+    assert thin.fingerprint != unknown.fingerprint  # members that disagree refuse each other's streams
 
 
 @pytest.mark.parametrize(

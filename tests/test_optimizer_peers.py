@@ -252,7 +252,7 @@ def test_a_killed_peer_never_blocks_the_others() -> None:
     context = multiprocessing.get_context("spawn")
     bootstrap = new_peer()
     processes, readers = [], {}
-    until_epoch, kill_at_epoch, victim = 5, 2, 2
+    until_epoch, kill_at_epoch, victim = 4, 2, 2  # the round the victim dies in, and one more without it
     try:
         initial_peers = addresses(bootstrap)
         for index in range(3):
@@ -318,7 +318,7 @@ def test_a_peer_that_stops_stepping_in_a_scheduled_group_never_blocks_the_others
         deadline = time.monotonic() + 30
         stop = threading.Event()
         others = threading.Thread(
-            target=lambda: train_together(trainers[:2], until_epoch=6, seconds=60, stop=stop), daemon=True
+            target=lambda: train_together(trainers[:2], until_epoch=5, seconds=60, stop=stop), daemon=True
         )
         others.start()
         generator = torch.Generator().manual_seed(5)
@@ -336,7 +336,7 @@ def test_a_peer_that_stops_stepping_in_a_scheduled_group_never_blocks_the_others
         assert held.stage == AveragingStage.AWAITING_TRIGGER, "the staller was not holding a group"
         others.join(90)
         for trainer in trainers[:2]:
-            assert trainer.error is None and trainer.opt.local_epoch >= 6
+            assert trainer.error is None and trainer.opt.local_epoch >= 5  # the held round, then two without it
             longest = max(trainer.step_seconds)
             assert longest < AVERAGING_TIMEOUT + MATCHMAKING_TIME + 2, f"a step took {longest:.1f} s"
 

@@ -105,7 +105,7 @@ OPTIMIZERS = {
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_synchronous_training_matches_single_process_reference(dhts, name):
-    target_epoch, make_optimizer = 5, OPTIMIZERS[name]
+    target_epoch, make_optimizer = 4, OPTIMIZERS[name]  # every epoch is checked exactly: four show it as well
     run = with_one_retry(
         lambda: run_swarm(
             dhts[:NUM_PEERS],
@@ -141,7 +141,7 @@ def test_synchronous_training_matches_single_process_reference(dhts, name):
 
     reference, loss_gaps = reference_training(run, regression_model, make_optimizer, range(target_epoch))
     expected = torch.cat([p.detach().flatten() for p in reference.parameters()])
-    # tolerance: float32 sums in another order (per-peer weighted means vs one mean) over 5 steps
+    # tolerance: float32 sums in another order (per-peer weighted means vs one mean) over 4 steps
     assert max_relative_gap(final[0], expected) <= 1e-5
     # each peer's loss on each batch is the reference model's loss at that epoch
     assert max(loss_gaps.values()) <= 1e-5, loss_gaps
@@ -152,7 +152,7 @@ def test_synchronous_training_matches_single_process_reference(dhts, name):
 
 @pytest.mark.timeout(150)
 def test_samples_per_epoch_stay_within_1_2x_target(dhts):
-    target, target_epoch = 400, 5
+    target, target_epoch = 400, 3  # the bound is per epoch: three epochs after the first test it as well as five
 
     def within_bound(run) -> bool:
         return all(
@@ -232,7 +232,7 @@ MODES = {
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_mode_trains_together(dhts, mode):
-    target_epoch = 5
+    target_epoch = 4  # the loss ratio below reads 0.35-0.55 after 4 epochs, 0.55-0.62 after 3 (bound 0.7)
     overrides, target_batch_size, tolerance = MODES[mode]
     run = with_one_retry(
         lambda: run_swarm(

@@ -30,6 +30,7 @@ from hivemind_ext.p2p.direct_address import choose_direct_address
 from hivemind_ext.p2p.direct_client import DirectConnector
 from hivemind_ext.p2p.direct_records import (
     CALLER,
+    FREE_RECORD_BUFFERS,
     LENGTH,
     MAX_RECORD_BYTES,
     SERVER,
@@ -306,6 +307,28 @@ async def _reused_send_buffers() -> None:
             writer.write(chunk)
         again = await asyncio.wait_for(connection.reader.readexactly(3 * len(chunks[0]) - 3), 20)
         assert received == b"".join(chunks) and again == b"".join(chunks[:3])
+
+
+@async_test
+async def test_a_closed_connections_sent_buffers_seal_the_next_connections_records() -> None:
+    # Every all-reduce round opens new connections: record buffers are shared by the process's
+    # connections, so that a new connection does not pay for fresh megabytes; only buffers the
+    # transport has sent are reused, and what a reused buffer carries arrives intact.
+    chunks = [os.urandom(MAX_RECORD_BYTES - i) for i in range(6)]
+    for connection_index in range(2):
+        async with Sealed() as connection:
+            _, writer = seal(connection.client_reader, connection.writer, connection.key, CALLER)
+            pooled = len(FREE_RECORD_BUFFERS)
+            for chunk in chunks:
+                writer.write(chunk)
+                if connection_index == 1 and chunk is chunks[0]:  # sealed into a buffer of the last connection
+                    assert pooled >= 1 and len(FREE_RECORD_BUFFERS) == pooled - 1
+            received = await asyncio.wait_for(connection.reader.readexactly(sum(map(len, chunks))), 20)
+            assert received == b"".join(chunks)
+            await asyncio.wait_for(writer.drain(), 5)
+            assert writer.transport.get_write_buffer_size() == 0
+            writer.close()  # everything was sent: every buffer goes back
+            assert 1 <= len(FREE_RECORD_BUFFERS) <= FREE_RECORD_BUFFERS.max_buffers
 
 
 def _length(value: int) -> bytes:

@@ -96,6 +96,7 @@ class RoundReport:
     # one), and how long it was allowed to take (allreduce_timeout, or 3x the prediction if longer)
     predicted_seconds: float | None = None
     timeout_seconds: float | None = None
+    chunk_bytes: int | None = None  # the round's chunk size: part_size_bytes, or less on thin links
     # groupmate -> the path this peer's streams to it took: "direct" (encrypted), "direct-plaintext" or
     # "libp2p"; groupmates it opened no stream to (client-mode peers own no part) are not listed
     transports: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -124,8 +125,10 @@ class DecentralizedAverager:
     :param min_matchmaking_time: how long to wait for a full group (when step() has no scheduled_time)
     :param request_timeout: how long a peer may take to answer during matchmaking
     :param averaging_alpha: step size toward the average (1.0 = replace by the average)
-    :param part_size_bytes: all-reduce chunk size: parts are streamed and reduced in chunks of this size
-      (default 2 MiB, larger than hivemind's 512 KiB: fewer, larger frames measured 20-30% faster)
+    :param part_size_bytes: largest all-reduce chunk: parts are streamed and reduced in chunks of this
+      size (default 2 MiB, larger than hivemind's 512 KiB: fewer, larger frames measured 20-30% faster on
+      loopback), or smaller ones where the group declares thin links, so that the pipeline's tail stays
+      short (``last_round.chunk_bytes``; see ``allreduce/layout.py``)
     :param allreduce_timeout: an all-reduce round gives up on missing peers after this many seconds,
       or after 3x its duration predicted from the group's measured throughputs where that is longer
       (``last_round.predicted_seconds`` / ``timeout_seconds``; see ``allreduce/round_time.py``)
@@ -725,6 +728,7 @@ class DecentralizedAverager:
             receive_rate=result.receive_rate,
             predicted_seconds=result.predicted_seconds,
             timeout_seconds=result.timeout_seconds,
+            chunk_bytes=result.chunk_bytes,
             **self._transports_since(opened_after),
         )
         self.throughput.update(result.receive_rate)

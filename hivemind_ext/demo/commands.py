@@ -152,7 +152,7 @@ def report_swarm(run: SwarmRun, total_seconds: float) -> None:
 
 def run_join(args: argparse.Namespace) -> int:
     """One peer, in this process, that joins the swarm at ``args.initial_peers`` and trains to ``args.epochs``."""
-    config = replace(base_config(args), client_mode=args.client_mode)
+    config = replace(base_config(args), client_mode=args.client_mode, alone_timeout=args.alone_timeout)
     display = ProgressDisplay(args.epochs, sys.stdout)
 
     def report(kind: str, payload: dict[str, Any]) -> None:
@@ -181,15 +181,24 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_interruptible(command: Callable[[], int]) -> int:
     """Runs ``command`` with SIGTERM acting as Ctrl-C; an interruption ends in ``EXIT_INTERRUPTED``
-    once every peer has stopped."""
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    once every peer has stopped.
+
+    SIGINT gets Python's KeyboardInterrupt handler explicitly: a process started with SIGINT ignored (a
+    background job of a shell script, ``nohup``-like launchers, some CI runners) inherits the ignored
+    disposition, Python then installs no handler, and Ctrl-C or ``kill -INT`` would leave the swarm training
+    (``hivemind-ext aux`` overrides it for the same reason)."""
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt),
+    }
     try:
         return command()
     except KeyboardInterrupt:
         print("\ninterrupted; all peers stopped", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def check_optimizer(name: str) -> str | None:

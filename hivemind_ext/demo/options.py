@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hivemind_ext.demo.peer import LOOPBACK, OPTIMIZERS
+from hivemind_ext.demo.peer import ALONE_TIMEOUT, LOOPBACK, OPTIMIZERS
 
 ALL_INTERFACES = ("/ip4/0.0.0.0/tcp/0",)
 # (option, attribute) of the settings every peer of one run must share
@@ -89,6 +89,14 @@ def add_network_options(parser: argparse.ArgumentParser, *, joining: bool, initi
             help="multiaddrs of peers already in the swarm (the first peer prints them); run as one peer that joins",
         )
         network.add_argument("--client-mode", action="store_true", help="accept no incoming connections (behind NAT)")
+        network.add_argument(
+            "--alone-timeout",
+            type=float,
+            default=ALONE_TIMEOUT,
+            metavar="SECONDS",
+            help="when joining: give up, with an error, after this long without another peer of the run online "
+            "(the swarm has ended or the initial peers are gone) (default: %(default)g)",
+        )
     network.add_argument(
         "--host-maddrs",
         nargs="+",
@@ -163,6 +171,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
             parser.error("need --peers >= 1 and 0 <= --clients < --peers (the first peer is the bootstrap)")
     if args.epochs < 1 or args.batch_size < 1 or args.target_batch_size < 1 or args.compute_time < 0:
         parser.error("--epochs, --batch-size and --target-batch-size must be positive, --compute-time not negative")
+    if getattr(args, "alone_timeout", 1.0) <= 0:
+        parser.error("--alone-timeout must be positive")
     if args.host_maddrs is None:
         remote = joining and not all(is_loopback(maddr) for maddr in args.initial_peers)
         args.host_maddrs = list(ALL_INTERFACES if remote else LOOPBACK)

@@ -18,11 +18,17 @@ from hivemind_ext.demo.data import DigitsData, accuracy, make_model
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 OPTIMIZERS = ("hivemind_ext", "hivemind")
 PROGRESS_PERIOD = 0.5  # seconds between a peer's progress reports
+ALONE_TIMEOUT = 60.0  # seconds a joining peer trains without seeing another peer of its run before it gives up
 
 
 class PeerStartError(RuntimeError):
     """The peer could not join the network (a bad or unusable address, unreachable initial peers):
     a setup problem that one line explains, not a bug that needs a traceback."""
+
+
+class SwarmGoneError(PeerStartError):
+    """A joining peer saw no other peer of its run for ``alone_timeout`` seconds: the swarm it meant to join
+    has ended, or its initial peers are gone. Training on alone would only look like joining."""
 
 
 def peak_rss_mib() -> float | None:
@@ -75,6 +81,9 @@ class PeerConfig:
     seed: int = 0  # this peer's batch order, batch sizes and compute times
     verbose: bool = False
     log_level: str = "ERROR"  # of the hivemind and hivemind_ext loggers in this peer
+    # a joining peer gives up (SwarmGoneError) after this many seconds without another peer of the run online;
+    # None: train on alone (the peers of a local swarm, where a lone first peer is a swarm of one)
+    alone_timeout: float | None = None
 
 
 @dataclass
@@ -103,6 +112,27 @@ def global_progress(opt: Any) -> dict[str, Any]:
     names = ("epoch", "samples_accumulated", "target_batch_size", "num_peers", "num_clients", "eta_next_epoch")
     names += ("samples_per_second",)  # the swarm's (hivemind_ext only: None with hivemind.Optimizer)
     return {name: getattr(progress, name, None) for name in names}
+
+
+class Company:
+    """Whether a joining peer still has a swarm: when it last saw another peer of its run online. Alone for
+    ``alone_timeout`` s (None: never give up), :meth:`check` raises :class:`SwarmGoneError`."""
+
+    def __init__(self, run_id: str, alone_timeout: float | None) -> None:
+        self.run_id, self.alone_timeout = run_id, alone_timeout
+        self.last_seen = time.monotonic()
+
+    def check(self, num_peers: int | None) -> None:
+        """``num_peers``: the peers of the run online as the tracker last saw them, this one included."""
+        now = time.monotonic()
+        if num_peers is not None and num_peers > 1:
+            self.last_seen = now
+        elif self.alone_timeout is not None and now - self.last_seen > self.alone_timeout:
+            raise SwarmGoneError(
+                f"no other peer of run {self.run_id!r} was online for {self.alone_timeout:g} s: the swarm has ended "
+                "or its initial peers are gone; join a running swarm with the command its first peer prints "
+                "(the same --run-id), or start one with `hivemind-ext train`"
+            )
 
 
 def start_dht(config: PeerConfig, initial_peers: Sequence[str]) -> Any:
@@ -177,6 +207,7 @@ def train_peer(
         shuffle = torch.Generator().manual_seed(config.seed)
         stats, order, position = PeerStats(), torch.randperm(len(train_y), generator=shuffle), 0
         started = last_report = time.perf_counter()
+        company = Company(config.run_id, config.alone_timeout)
         evaluated: tuple[int, float] | None = None  # (epoch, held-out accuracy) at the last progress report
         while opt.local_epoch < config.epochs:
             batch_size = rng.randint(low, high)
@@ -207,6 +238,7 @@ def train_peer(
                     evaluated = (opt.local_epoch, accuracy(model, data.test_x, data.test_y))
                 payload = {"epoch": opt.local_epoch, "loss": stats.loss, "swarm": global_progress(opt)}
                 report("progress", {**payload, "accuracy": evaluated[1]})
+                company.check(payload["swarm"]["num_peers"])
             if stop_requested():  # every step: Ctrl-C must not wait for the next report
                 return stats
         stats.train_seconds = time.perf_counter() - started

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import struct
+import threading
 from typing import Any
 
 from hivemind_ext.errors import AuthenticationError, ProtocolError
@@ -50,7 +51,9 @@ CALLER, SERVER = 0, 1  # direction bytes: who sealed the record
 STAGING_BYTES = 64 * 1024  # read-ahead while a record's length is unknown (bounds the bytes moved after it)
 RECORD_BUFFER_BYTES = LENGTH.size + MAX_RECORD_BYTES + TAG_BYTES  # the largest record on the wire
 POOLED_RECORD_BYTES = 64 * 1024  # records at least this large are sealed into reused buffers
-MAX_FREE_BUFFERS = 8  # per connection; the transport's write buffer limit bounds those in flight
+# record buffers kept for reuse, per process (sized for an all-reduce's few concurrent connections);
+# the transports' write buffer limits bound those in flight
+MAX_FREE_BUFFERS = 16
 
 
 def _aead(key: bytes) -> Any:
@@ -148,8 +151,8 @@ class RecordOpener:
             if not TAG_BYTES <= sealed <= MAX_RECORD_BYTES + TAG_BYTES:
                 raise ProtocolError(f"a direct-path record announces {sealed} bytes (at most {MAX_RECORD_BYTES})")
             self._end = LENGTH.size + sealed
-            if len(self._buffer) < self._end:  # grows once per larger record size, up to the bound
-                grown = bytearray(self._end)
+            if len(self._buffer) < self._end:  # grows once, to the largest record's size (from the shared pool)
+                grown = FREE_RECORD_BUFFERS.take()
                 grown[: self._filled] = memoryview(self._buffer)[: self._filled]
                 self._buffer = grown
         if self._filled < self._end:
@@ -170,6 +173,13 @@ class RecordOpener:
                 view[:rest] = view[self._end : self._filled]
         self._filled, self._end = rest, 0
 
+    def release(self) -> None:
+        """Gives the record buffer back to the shared pool (the connection ended); only a buffer that
+        holds no unopened record is given back, and this opener then receives nothing more."""
+        if self._filled == 0 and len(self._buffer) == RECORD_BUFFER_BYTES:
+            FREE_RECORD_BUFFERS.give_back([self._buffer])
+            self._buffer = bytearray(0)
+
     def open(self, size: int) -> memoryview:
         """Decrypts the complete record (of ``size`` plaintext bytes) into a scratch buffer, valid
         until the next call."""
@@ -187,28 +197,68 @@ class SendBuffers:
     The transport keeps a reference to each buffer it has not sent yet (uvloop and asyncio queue the
     object, they do not copy it), so a buffer is reused only once the transport's queue is shorter
     than what was written after it: transports send in write order, so the bytes still queued are
-    always the newest ones written."""
+    always the newest ones written. Sent buffers go to a pool that every connection of the process
+    shares (:data:`FREE_RECORD_BUFFERS`, which also serves the receiving side's record buffers): an
+    all-reduce opens new connections every round, and with a pool per connection each of them paid
+    for fresh buffers (about 3% of a peer's event-loop time in a profile of
+    ``benchmarks/averaging.py``)."""
 
     def __init__(self, transport: asyncio.WriteTransport) -> None:
         self._transport = transport
         self._in_flight: collections.deque[tuple[bytearray, int]] = collections.deque()  # write order
         self._in_flight_bytes = 0
-        self._free: list[bytearray] = []
 
     def take(self) -> bytearray:
-        """A buffer of RECORD_BUFFER_BYTES that the transport no longer reads."""
-        queued = self._transport.get_write_buffer_size()
-        while self._in_flight and self._in_flight_bytes - self._in_flight[0][1] >= queued:
-            buffer, size = self._in_flight.popleft()
-            self._in_flight_bytes -= size
-            if len(self._free) < MAX_FREE_BUFFERS:
-                self._free.append(buffer)
-        return self._free.pop() if self._free else bytearray(RECORD_BUFFER_BYTES)
+        """A buffer of RECORD_BUFFER_BYTES that no transport reads."""
+        self.reclaim()
+        return FREE_RECORD_BUFFERS.take()
 
     def sent(self, buffer: bytearray, size: int) -> None:
         """``size`` bytes of ``buffer`` were just written to the transport."""
         self._in_flight.append((buffer, size))
         self._in_flight_bytes += size
+
+    def reclaim(self) -> None:
+        """Returns the buffers that the transport has sent to the shared pool (those it still holds
+        stay with it, and are dropped with the connection)."""
+        try:
+            queued = self._transport.get_write_buffer_size()
+        except (AttributeError, RuntimeError):  # a closed transport: what it held is gone with it
+            return
+        freed = []
+        while self._in_flight and self._in_flight_bytes - self._in_flight[0][1] >= queued:
+            buffer, size = self._in_flight.popleft()
+            self._in_flight_bytes -= size
+            freed.append(buffer)
+        FREE_RECORD_BUFFERS.give_back(freed)
+
+
+class FreeRecordBuffers:
+    """Record buffers of RECORD_BUFFER_BYTES that no transport or opener holds, shared by the
+    connections (and event loops) of a process, sending and receiving; at most ``max_buffers`` are
+    kept. Thread-safe."""
+
+    def __init__(self, max_buffers: int) -> None:
+        self.max_buffers = max_buffers
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self) -> bytearray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return bytearray(RECORD_BUFFER_BYTES)
+
+    def give_back(self, buffers: list[bytearray]) -> None:
+        if buffers:
+            with self._lock:
+                self._free += buffers[: self.max_buffers - len(self._free)]
+
+
+FREE_RECORD_BUFFERS = FreeRecordBuffers(MAX_FREE_BUFFERS)
 
 
 class SealedWriter(asyncio.StreamWriter):
@@ -236,6 +286,10 @@ class SealedWriter(asyncio.StreamWriter):
     def writelines(self, data: Any) -> None:
         for piece in data:
             self.write(piece)
+
+    def close(self) -> None:
+        self._buffers.reclaim()  # before the transport lets go of its queue: only sent buffers return
+        super().close()
 
 
 def new_session_key() -> bytes:

@@ -173,6 +173,8 @@ class DirectStream(asyncio.BufferedProtocol):
         self._check_ended_between_records()
         if exc is not None and self._exception is None:
             self._exception = exc
+        if self._records is not None:
+            self._records.release()  # its buffer serves the process's next connections (if no record is left in it)
         self._wake()
         if not self._closed.done():
             self._closed.set_result(None)

@@ -135,9 +135,7 @@ def ticket_request(count: int) -> dict[str, Any]:
     return {"count": count}
 
 
-def ticket_response(
-    host: str, port: int, ttl: float, tokens: list[bytes], keys: list[bytes] | None
-) -> dict[str, Any]:
+def ticket_response(host: str, port: int, ttl: float, tokens: list[bytes], keys: list[bytes] | None) -> dict[str, Any]:
     response: dict[str, Any] = {"host": host, "port": port, "ttl": float(ttl), "tokens": tokens}
     if keys is not None:
         response["keys"] = keys

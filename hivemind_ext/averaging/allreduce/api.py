@@ -207,6 +207,8 @@ class AllreduceResult:
       (see :mod:`.round_time`); None where nobody declared one
     :param timeout_seconds: how long the round was allowed to take (``allreduce_timeout``, or the
       longer deadline the prediction set)
+    :param chunk_bytes: the chunk size (uncompressed bytes) the round's layout used: the configured
+      ``part_size_bytes`` or less on thin links (see :mod:`.layout`); None where this peer had no layout
     """
 
     tensors: list[torch.Tensor]
@@ -219,6 +221,7 @@ class AllreduceResult:
     receive_rate: float | None = None
     predicted_seconds: float | None = None
     timeout_seconds: float | None = None
+    chunk_bytes: int | None = None
 
     @property
     def contributors(self) -> tuple[tuple[PeerID, ...], ...]:

@@ -3,6 +3,23 @@
 Pure functions of the tensors' shapes and dtypes, the group's member roles and the chunk size, so
 every member computes the same layout from the same inputs, and tests drive them directly.
 
+**The chunk size follows the group's links** (:func:`round_chunk_bytes`). A round's pipeline drains
+at its end: after the last chunk of a part reaches its owner, the owner still sends that chunk's
+average to each of the N - 1 other members, and every member receives the last averaged chunk of
+every part; that tail is about (N - 1) chunks through the slowest link, time in which the links
+carry nothing else. With 2 MiB chunks over 100 Mbit/s links that is 0.5 s against a 2 s round; at
+20 Mbit/s, 2.5 s against 10 s. Smaller chunks shorten the tail but cost a fixed amount of CPU each
+(framing, headers, a reducer call), which dominates on loopback and fast links. So each round uses
+the largest chunk whose tail through the slowest declared link (members that declared nothing are
+taken as typical) takes at most
+:data:`DRAIN_SECONDS`: ``DRAIN_SECONDS x B_min / (N - 1)`` bytes, rounded down to a multiple of
+:data:`CHUNK_QUANTUM_BYTES` (at least one quantum) and at most the configured ``part_size_bytes``:
+about 384 KiB at 100 Mbit/s, 64 KiB at 20 Mbit/s, the configured 2 MiB from a few Gbit/s up. A group
+in which nobody declared a bandwidth (every peer's first round) uses ``part_size_bytes``. Every
+member computes it from the member list that matchmaking gave all of them, so all agree; the layout
+fingerprint covers it, so members that do not agree refuse each other's streams. A member that
+declares a tiny bandwidth can only make the group's chunks as small as one quantum.
+
 The tensors are seen as one flat vector (their flattened values, one tensor after the other).
 :func:`~hivemind_ext.averaging.allreduce.partition.part_sizes` cuts it into one part per member, in member
 order, sized to minimize the round's predicted time given the members' bandwidths (client-mode
@@ -34,6 +51,7 @@ import msgpack
 import torch
 
 from hivemind_ext.averaging.allreduce.partition import MemberRole, part_bounds, part_sizes
+from hivemind_ext.averaging.allreduce.throughput import BITS_PER_MEGABIT
 from hivemind_ext.averaging.matchmaking.group import Member
 from hivemind_ext.averaging.tensor_layout import (
     ChunkSpec,
@@ -46,6 +64,8 @@ from hivemind_ext.compression.base import NAMES_BY_DTYPE
 from hivemind_ext.errors import ConfigurationError
 
 FINGERPRINT_BYTES = 16
+DRAIN_SECONDS = 0.1  # the pipeline's tail (N - 1 chunks through the slowest link) may take this long
+CHUNK_QUANTUM_BYTES = 64 * 1024  # chunk sizes chosen per round are multiples of this (and at least this)
 
 
 @dataclass(frozen=True)
@@ -91,6 +111,24 @@ def member_roles(members: Sequence[Member]) -> list[MemberRole]:
         )
         for m in members
     ]
+
+
+def round_chunk_bytes(members: Sequence[Member], limit: int) -> int:
+    """The chunk size of a round of ``members``, at most ``limit`` bytes (the configured
+    ``part_size_bytes``): see the module docstring. Bandwidths are in Mbit/s, as declared."""
+    declared = [m.bandwidth for m in members if m.bandwidth is not None]  # the others: a typical link
+    if len(members) < 2 or not declared:
+        return limit
+    slowest = min(declared)
+    fitting = DRAIN_SECONDS * slowest * BITS_PER_MEGABIT / 8 / (len(members) - 1)
+    quantized = max(CHUNK_QUANTUM_BYTES, int(fitting // CHUNK_QUANTUM_BYTES) * CHUNK_QUANTUM_BYTES)
+    return min(limit, quantized)
+
+
+def plan_round_layout(tensors: Sequence[TensorSpec], members: Sequence[Member], limit: int) -> RoundLayout:
+    """The layout of a round of ``members``: parts by their bandwidths, chunks of
+    :func:`round_chunk_bytes` (at most ``limit``, the configured ``part_size_bytes``)."""
+    return plan_layout(tensors, member_roles(members), round_chunk_bytes(members, limit))
 
 
 def plan_layout(tensors: Sequence[TensorSpec], roles: Sequence[MemberRole], part_size_bytes: int) -> RoundLayout:

@@ -290,9 +290,7 @@ class RoundContext:
         info = self.compression_info(chunk, aggregate=aggregate)
         return chunk_codec(self.config.compression, info), info
 
-    def averaged(
-        self, part: PartSpec, first: Sequence[PeerID], chunks: Sequence[Sequence[PeerID]]
-    ) -> PartOutcome:
+    def averaged(self, part: PartSpec, first: Sequence[PeerID], chunks: Sequence[Sequence[PeerID]]) -> PartOutcome:
         """The outcome of an averaged part: ``first`` the peers in RESULT, ``chunks`` those in each
         averaged chunk; a part whose chunks differ (a sender dropped out mid-part) lists its runs."""
         everywhere = tuple(peer for peer in first if all(peer in chunk for chunk in chunks))

@@ -110,11 +110,7 @@ from hivemind_ext.averaging.allreduce.api import (
     PartOutcome,
     RoundHooks,
 )
-from hivemind_ext.averaging.allreduce.layout import (
-    check_float_tensors,
-    member_roles,
-    plan_layout,
-)
+from hivemind_ext.averaging.allreduce.layout import check_float_tensors, plan_round_layout
 from hivemind_ext.averaging.allreduce.round_state import CodecRunner, RoundContext, RoundTensors
 from hivemind_ext.averaging.allreduce.round_time import MAX_ROUND_SECONDS, predict_round_seconds, round_timeout
 from hivemind_ext.averaging.allreduce.run import MAX_GATHER_BYTES, RoundRun
@@ -163,6 +159,7 @@ __all__ = [
     "PartOutcome",
     "RoundHooks",
 ]
+
 
 class AllreduceService:
     """Runs all-reduce rounds for one peer and serves the parts it owns.
@@ -314,7 +311,7 @@ class AllreduceService:
         layout = None
         if specs or not group.members[me].auxiliary:  # an auxiliary member without tensors learns them
             try:
-                layout = plan_layout(specs, member_roles(group.members), config.part_size_bytes)
+                layout = plan_round_layout(specs, group.members, config.part_size_bytes)
             except ConfigurationError as e:
                 raise AllreduceError(f"group {group.group_id.hex()} cannot run: {e}") from e
         if config.adaptive_deadline:
@@ -419,6 +416,7 @@ class AllreduceService:
                     if not arrival.is_set():
                         self._arrivals.pop(group_id, None)
 
+
 def _with_round_timeout(config: AllreduceConfig, predicted: float | None) -> AllreduceConfig:
     """``config`` with the whole-round deadline the prediction sets (see :mod:`.round_time`), and the
     owners' collect deadline stretched in proportion."""
@@ -428,6 +426,7 @@ def _with_round_timeout(config: AllreduceConfig, predicted: float | None) -> All
     scale = seconds / config.allreduce_timeout
     return dataclasses.replace(config, allreduce_timeout=seconds, collect_timeout=config.collect_timeout * scale)
 
+
 def _my_index(group: GroupInfo, peer_id: PeerID) -> int:
     names = [member.peer_id for member in group.members]
     if len(set(names)) != len(names):
@@ -436,6 +435,7 @@ def _my_index(group: GroupInfo, peer_id: PeerID) -> int:
         return group.index_of(peer_id)
     except ValueError as e:
         raise AllreduceError(str(e)) from None
+
 
 def _checked_infos(infos: Sequence[CompressionInfo] | None, count: int) -> Sequence[CompressionInfo] | None:
     if infos is None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hivemind.utils import get_dht_time
 
-from hivemind_ext.averaging.averager import DecentralizedAverager
+from hivemind_ext.averaging.averager import DecentralizedAverager, RoundReport
 from hivemind_ext.compression import CompressionInfo, NoCompression, PerTensorCompression
 from hivemind_ext.compression.resolve import as_codec
 from hivemind_ext.errors import ConfigurationError, HivemindExtError
@@ -59,6 +59,8 @@ class AlgorithmRunner:
         self.rounds = 0  # all-reduce rounds run (for tests and benchmarks)
         self.failed_rounds = 0
         self.bytes_sent = 0
+        # the report of the last round that succeeded: its group size tells what its bytes_sent compares with
+        self.last_round: RoundReport | None = None
         self.blocked_seconds = 0.0  # time train_step spent in rounds that communicated
         self.epoch_samples = 0  # samples this peer processed in its current epoch
         self._averagers: dict[tuple[int, int], DecentralizedAverager] = {}
@@ -180,6 +182,7 @@ class AlgorithmRunner:
             self.impl.on_average_result(False, None)
             return
         self.rounds += 1
+        self.last_round = averager.last_round
         if averager.last_round is not None:
             self.bytes_sent += averager.last_round.bytes_sent
         with averager.get_tensors():
