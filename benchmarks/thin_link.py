@@ -12,32 +12,43 @@ during which the CPU is free for communication, as it would be.
 Per configuration, every peer runs ``--steps`` inner steps (the same samples in every
 configuration) and reports:
 
-- compute utilization: time in forward/backward (padded) and in the torch optimizer's own step,
-  over the wall time from its first step to its last;
+- compute utilization: time in forward/backward (padded), in the torch optimizer's own step and in
+  ``zero_grad()`` (the training loop's, the same in every configuration), over the wall time from its
+  first step to its last; everything else in ``step()`` (the library's or hivemind's work around the
+  inner step: rounds, snapshots, outer updates) counts as time not computing;
 - bytes sent per peer per inner step: the transmitted bytes of its namespace's interface (all
-  traffic: DHT, matchmaking, progress records, all-reduce), over its steps;
+  traffic: DHT, matchmaking, progress records, all-reduce, and the overlapped rounds still in flight
+  after the last step), over its steps;
 - held-out loss: MSE on 256 held-out samples, the mean over peers of their final models' (after
   overlapped rounds in flight were applied).
+
+Every peer stays up until all have finished a configuration (a peer that left at once would fail the
+others' last round). ``THIN_LINK_LOGS=<folder>``: each peer's debug log of the library there.
 
 Configurations: ``sync`` (synchronous gradient averaging every step, float16), ``diloco`` (H inner
 steps, float16 pseudo-gradients), ``diloco8`` (8-bit min-max, Bagua's MinMaxUInt8), ``overlap``
 (overlapped rounds, float16), ``overlap_sparse`` (overlapped, ``ErrorFeedback(SparseTopK(...))``,
-``--density`` / ``--bits``), ``streaming`` (the same in ``--fragments`` fragments staggered over the
-H steps) and ``hivemind`` (hivemind.Optimizer with ``use_local_updates``, parameters averaged in
-float16 every H steps' worth of samples). Synchronous averaging moves 22 MB per peer per step, ~13 s
-at 20 Mbit/s: it runs ``--sync-steps`` steps over the links (its utilization, bytes and the samples
-each round averaged are measured there, and its model after those steps is compared with the exact
-in-process equivalent), and its held-out loss at the others' samples is that in-process equivalent's
-(Adam on the mean gradient of every peer's batch, each step; no float16 rounding): ``--steps`` real
-rounds would take an hour. The byte goal's baseline, synchronous fp32 averaging every step, is
-computed: a butterfly all-reduce of every float32 gradient, 2 (n - 1) / n x 4 bytes x 11.1M per peer
-per step.
+``--density`` / ``--bits``), ``hivemind`` (hivemind.Optimizer with ``use_local_updates``, parameters
+averaged in float16 every H steps' worth of samples); not in the default run: ``streaming`` (the
+overlapped sparse rounds in ``--fragments`` fragments staggered over the H steps).
 
-Defaults: H = 25, 100 steps (4 outer rounds), 0.3 s of compute per step, 3 synchronous steps:
-7 configurations x 30 s of compute, plus blocking rounds (~13 s each for float16 DiLoCo), set-up
-and the in-process reference, sized for 10 minutes on a quiet 2-core machine (what the machine's
-load does to it: benchmarks/RESULTS.md). ``--full``: H = 100, 400 steps (4 rounds of the issue's H,
-about 4x as long). A configuration's figures are printed as soon as it ends; the JSON line comes last.
+Synchronous averaging moves 33 MB per peer per round (a butterfly of 22 MB of float16 gradients),
+~15 s at 20 Mbit/s: ``--steps`` real rounds would take most of an hour. It runs ``--sync-rounds``
+rounds (epochs of ``target_batch_size`` = 8 x peers: one synchronous step of every peer) over the
+links, and its figures are per round, i.e. per synchronous step: utilization over those rounds,
+bytes per round; the peers' models are compared with each other (every peer applied the same averaged
+gradients: they must be equal) and the samples each round averaged are printed (a peer adds local
+batches to an epoch until it learns that the swarm reached the target, so a round averages more than
+one batch per peer). Its held-out loss at the others' samples is that of the in-process equivalent
+(Adam on the mean gradient of every peer's batch, each of ``--steps`` steps; no float16 rounding).
+The byte goal's baseline, synchronous fp32 averaging every step, is computed: a butterfly all-reduce
+of every float32 gradient, 2 (n - 1) / n x 4 bytes x 11.1M per peer per step.
+
+Defaults: H = 100 (the issue's), 200 steps (2 outer rounds), 0.2 s of compute per step, 2 rounds of
+synchronous averaging: 5 configurations x 40 s of compute, plus blocking rounds (~15 s each for
+float16 DiLoCo), set-up and the in-process reference, sized for 10 minutes on a quiet 2-core machine
+(what the machine's load does to it: benchmarks/RESULTS.md). ``--full``: 400 steps (4 outer rounds,
+about twice as long). A configuration's figures are printed as soon as it ends; the JSON line comes last.
 
     sudo python benchmarks/thin_link.py
     sudo python benchmarks/thin_link.py --full
@@ -64,11 +75,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 from peer_processes import PeerProcesses  # noqa: E402
 
 CONFIGS = ["sync", "diloco", "diloco8", "overlap", "overlap_sparse", "streaming", "hivemind"]
+DEFAULT_CONFIGS = [name for name in CONFIGS if name != "streaming"]  # the issue's list
 IN, HIDDEN, HIDDEN2, OUT, TEACHER = 128, 2048, 5120, 64, 32
 BATCH, EVAL = 8, 256
 LR = 3e-4
 FULL = {"inner_steps": 100, "steps": 400}
-QUICK = {"inner_steps": 25, "steps": 100}
+DEFAULT = {"inner_steps": 100, "steps": 200}
 
 
 # ----- the model and the data (the same in every peer and in the in-process reference)
@@ -188,6 +200,15 @@ def run_peer(peer: dict[str, Any]) -> None:
     import hivemind
 
     torch.set_num_threads(1)
+    if os.environ.get("THIN_LINK_LOGS"):  # a folder: each peer's debug log there (a diagnosis)
+        import logging
+
+        logging.basicConfig(
+            filename=Path(os.environ["THIN_LINK_LOGS"]) / f"peer{peer['index']}.log",
+            format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s: %(message)s",
+            datefmt="%H:%M:%S",
+        )
+        logging.getLogger("hivemind_ext").setLevel(logging.DEBUG)
     dht = hivemind.DHT(host_maddrs=[f"/ip4/{peer['address']}/tcp/0"], initial_peers=peer["initial_peers"], start=True)
     print("addrs", json.dumps([str(a) for a in dht.get_visible_maddrs()]), flush=True)
     try:
@@ -198,11 +219,21 @@ def run_peer(peer: dict[str, Any]) -> None:
         dht.shutdown()
 
 
+def finished(config: dict[str, Any], opt: Any, steps: int) -> bool:
+    """Whether this peer's run of ``config`` is over: after ``steps`` inner steps, or for ``sync`` once
+    the swarm has averaged ``sync_rounds`` epochs (every peer ends at the same round: how many local
+    batches a peer adds to an epoch depends on when it learns that the swarm reached the target)."""
+    if config["name"] == "sync":
+        return opt.local_epoch >= config["sync_rounds"]
+    return steps >= config["steps"]
+
+
 def train_one(peer: dict[str, Any], config: dict[str, Any], dht: Any) -> bool:
     teacher, model = Teacher(), make_model(config["seed"])
     opt = make_optimizer(config, dht, model)
     try:
-        give_up = time.monotonic() + 120
+        # hivemind's tracker may not count every peer before its first step: do not wait long for it
+        give_up = time.monotonic() + (5 if config["name"] == "hivemind" else 120)
         while opt.tracker.global_progress.num_peers < config["peers"] and time.monotonic() < give_up:
             time.sleep(0.2)
         print("ready", config["name"], flush=True)
@@ -210,33 +241,47 @@ def train_one(peer: dict[str, Any], config: dict[str, Any], dht: Any) -> bool:
             return False
         generator = data_stream(config["seed"], peer["index"])
         TimedAdam.seconds = compute = in_step = 0.0
-        averaged: list[int] = []  # sync: the samples each step's round averaged (the group's total)
+        averaged: list[int] = []  # sync: the samples each epoch's round averaged (the group's total)
         sent_before, started = tx_bytes(), time.perf_counter()
-        for _ in range(config["steps"]):
+        steps, slowest = 0, []  # slowest: (seconds in step() beyond the inner step, at which step)
+        while not finished(config, opt, steps):
             step_started = time.perf_counter()
             x, y = teacher.batch(generator, BATCH)
             torch.nn.functional.mse_loss(model(x), y).backward()
             time.sleep(max(0.0, step_started + config["step_seconds"] - time.perf_counter()))  # the accelerator
             compute += time.perf_counter() - step_started
             step_started = time.perf_counter()
+            epoch = opt.local_epoch
             opt.step()
-            opt.zero_grad()
-            in_step += time.perf_counter() - step_started
-            if config["name"] == "sync":
+            adam, TimedAdam.seconds = TimedAdam.seconds, 0.0
+            beyond = time.perf_counter() - step_started - adam
+            zeroing = time.perf_counter()
+            opt.zero_grad()  # the training loop's own work (on CPU, freeing 44 MB of .grad: ~5-8 ms)
+            compute += adam + time.perf_counter() - zeroing
+            in_step += beyond
+            steps += 1
+            slowest = sorted([*slowest, (round(beyond, 3), steps)], reverse=True)[:5]
+            if config["name"] == "sync" and opt.local_epoch != epoch:
                 averaged.append(opt.last_epoch_samples)
         wall = time.perf_counter() - started
-        sent = tx_bytes() - sent_before
         impl = getattr(opt, "algorithm_impl", None)
         if hasattr(impl, "settle"):
             impl.settle()  # overlapped rounds in flight: the model every peer evaluates is after them
+        sent = tx_bytes() - sent_before  # with the rounds in flight: every round of these steps counts
+        # every peer stays up until all are done: a peer that left at once would fail the others' last round
+        print("done", flush=True)
+        if sys.stdin.readline().strip() != "finish":
+            return False
         path = Path(peer["out"]) / f"{config['name']}{peer['index']}.pt"
         torch.save([p.detach().clone() for p in model.parameters()], path)
         history = [list(h) for h in list(getattr(impl, "history", []))[-6:]] if not averaged else averaged
         result = {
-            "compute": compute + TimedAdam.seconds,
+            "compute": compute,
             "wall": wall,
-            "waited": in_step - TimedAdam.seconds,
-            "bytes_per_step": sent / config["steps"],
+            "waited": in_step,
+            "slowest": slowest,
+            "bytes_per_step": sent / steps,
+            "steps": steps,
             "history": history,
         }
         print("result", json.dumps(result), flush=True)
@@ -277,6 +322,9 @@ class Swarm:
             if self.peers.expect(index, "ready") != name:
                 raise RuntimeError(f"peer {index} is not at configuration {name}")
         self.peers.send("go")
+        for index in range(len(self.peers)):
+            self.peers.expect(index, "done")
+        self.peers.send("finish")
         return [json.loads(self.peers.expect(i, "result")) for i in range(len(self.peers))]
 
     def close(self) -> None:
@@ -284,15 +332,16 @@ class Swarm:
 
 
 def sync_reference(peers: int, steps: int, teacher: Teacher, seed: int) -> torch.nn.Module:
-    """Synchronous averaging every step, in one process: Adam on the mean gradient of every peer's batch."""
+    """Synchronous averaging every step, in one process: Adam on the mean gradient of every peer's batch
+    (the gradient of the MSE over their concatenation: the batches are equally large), all threads."""
     model = make_model(seed)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     generators = [data_stream(seed, index) for index in range(peers)]
     for _ in range(steps):
         opt.zero_grad()
-        for generator in generators:
-            x, y = teacher.batch(generator, BATCH)
-            (torch.nn.functional.mse_loss(model(x), y) / peers).backward()
+        batches = [teacher.batch(generator, BATCH) for generator in generators]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     return model
 
@@ -317,7 +366,9 @@ def summarize(results: list[dict[str, Any]], models: list[torch.nn.Module], teac
         "loss": held_out_loss(models, teacher),
         "wall": max(r["wall"] for r in results),
         "waited": sum(r["waited"] for r in results) / len(results),
+        "steps": sum(r["steps"] for r in results) / len(results),
         "history": results[0]["history"],
+        "slowest": results[0]["slowest"],
     }
 
 
@@ -336,14 +387,14 @@ def main() -> None:
     from netns import Link, Topology, unavailable_reason
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=DEFAULT_CONFIGS)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--rate-mbit", type=float, default=20.0)
-    parser.add_argument("--full", action="store_true", help=f"the issue's H: {FULL} unless given")
-    parser.add_argument("--inner-steps", type=int, default=None, help=f"H (default {QUICK['inner_steps']})")
-    parser.add_argument("--steps", type=int, default=None, help=f"inner steps per peer (default {QUICK['steps']})")
-    parser.add_argument("--sync-steps", type=int, default=3, help="steps of synchronous averaging over the links")
-    parser.add_argument("--step-seconds", type=float, default=0.3, help="simulated compute per step")
+    parser.add_argument("--full", action="store_true", help=f"4 outer rounds: {FULL} unless given")
+    parser.add_argument("--inner-steps", type=int, default=None, help=f"H (default {DEFAULT['inner_steps']})")
+    parser.add_argument("--steps", type=int, default=None, help=f"inner steps per peer (default {DEFAULT['steps']})")
+    parser.add_argument("--sync-rounds", type=int, default=2, help="rounds (epochs) of synchronous averaging")
+    parser.add_argument("--step-seconds", type=float, default=0.2, help="simulated compute per step")
     parser.add_argument("--fragments", type=int, default=4, help="fragments of the streaming config")
     parser.add_argument("--density", type=float, default=0.25, help="top-k density of the sparse configs")
     parser.add_argument("--bits", type=int, default=4, help="bits per kept value of the sparse configs")
@@ -352,7 +403,7 @@ def main() -> None:
     parser.add_argument("--averaging-timeout", type=float, default=60.0)
     parser.add_argument("--next-chunk-timeout", type=float, default=15.0)
     args = parser.parse_args()
-    preset = FULL if args.full else QUICK
+    preset = FULL if args.full else DEFAULT
     inner_steps = args.inner_steps if args.inner_steps is not None else preset["inner_steps"]
     steps = args.steps if args.steps is not None else preset["steps"]
     missing = unavailable_reason()
@@ -372,10 +423,11 @@ def main() -> None:
         averaging_timeout=args.averaging_timeout,
         next_chunk_timeout=args.next_chunk_timeout,
         rate_mbit=args.rate_mbit,
+        sync_rounds=args.sync_rounds,
     )
     teacher = Teacher()
     measured: dict[str, dict[str, Any]] = {}
-    configs = [{**base, "name": name, "steps": args.sync_steps if name == "sync" else steps} for name in args.configs]
+    configs = [{**base, "name": name, "steps": steps} for name in args.configs]
     began = time.perf_counter()
     with (
         tempfile.TemporaryDirectory() as out,
@@ -391,13 +443,17 @@ def main() -> None:
                 figures = summarize(results, models, teacher)
                 note = ""
                 if name == "sync":
-                    # the real rounds against the exact equivalent of the same steps; the loss at the
-                    # others' samples is the equivalent's
-                    reference = sync_reference(args.peers, args.sync_steps, teacher, args.seed)
+                    # per synchronous step (one round), not per local batch: a peer adds batches to an
+                    # epoch until it learns that the swarm reached the target; the peers' models must
+                    # agree (every peer applied the same averaged gradients); the loss at the others'
+                    # samples is the in-process equivalent's
+                    local = figures["bytes_per_step"]
+                    figures["bytes_per_step"] = local * figures["steps"] / args.sync_rounds
                     note = (
-                        f"; after {args.sync_steps} steps over the links: loss {figures['loss']:.4f}, in-process "
-                        f"{held_out_loss([reference], teacher):.4f}, max parameter difference "
-                        f"{max_difference(models, reference):.2e}; samples averaged per step {figures['history']}"
+                        f"; {args.sync_rounds} rounds over the links: {figures['steps']:.1f} local batches per "
+                        f"peer ({local / 1e3:.1f} kB per batch), samples averaged per round {figures['history']}, "
+                        f"held-out loss {figures['loss']:.4f}, largest parameter difference between peers "
+                        f"{max_difference(models[1:], models[0]):.2e}"
                     )
                     figures["loss"] = None  # the in-process equivalent at the others' samples, once the links are idle
                 measured[name] = figures
@@ -405,10 +461,11 @@ def main() -> None:
                 print(
                     f"{name:>15}: utilization {figures['utilization']:6.1%}, "
                     f"{figures['bytes_per_step'] / 1e3:9.1f} kB sent per peer per step, held-out loss "
-                    f"{loss} ({config['steps']} steps in {figures['wall']:.1f} s, "
+                    f"{loss} ({figures['steps']:.0f} steps in {figures['wall']:.1f} s, "
                     f"{figures['waited']:.1f} s of them in step() beyond the inner step; with set-up "
                     f"{time.perf_counter() - started:.0f} s; load {os.getloadavg()[0]:.1f})"
-                    + (note or f"; last rounds: {figures['history'][-4:]}"),
+                    + (note or f"; last rounds: {figures['history'][-4:]}")
+                    + f"; peer 0's slowest steps (s, step): {figures['slowest']}",
                     flush=True,
                 )
         finally:

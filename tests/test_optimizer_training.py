@@ -271,3 +271,30 @@ def test_mode_trains_together(dhts, mode):
         assert max(gaps) <= tolerance * moved, f"peers differ by {gaps}, training moved them by {moved}"
     else:
         assert max(gaps) <= tolerance, gaps
+
+
+@pytest.mark.timeout(60)
+def test_state_rounds_form_as_soon_as_every_peer_is_looking(dhts):
+    """State rounds are planned as gradient rounds are (RoundDriver.plan_after): once a round had a group,
+    the next forms as soon as every expected peer is looking. They used to wait a whole matchmaking time
+    every epoch: with local updates and ``delay_state_averaging=False`` the three rounds below blocked
+    each peer for at least 3 x ``matchmaking_time``; now only the first does (no round had a group yet)."""
+    matchmaking_time, target_epoch = 3.0, 3
+    run = run_swarm(
+        dhts[:2],
+        run_id=run_id("state_rounds_expect_peers"),
+        target_epoch=target_epoch,
+        optimizer_kwargs=common_kwargs(
+            target_batch_size=32,
+            optimizer=SGD,
+            use_local_updates=True,
+            delay_state_averaging=False,
+            matchmaking_time=matchmaking_time,
+        ),
+        sleep=0.02,
+        max_seconds=40.0,
+    )
+    assert_healthy(run, target_epoch)
+    blocked = [opt.blocked_seconds for opt in run.optimizers]
+    assert max(blocked) < 2 * matchmaking_time, f"state rounds blocked the peers for {blocked} s"
+    assert [opt.state_averager.last_round.group_size for opt in run.optimizers] == [2, 2]  # they did average

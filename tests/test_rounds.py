@@ -19,6 +19,7 @@ from hivemind_ext.optim.rounds import (
     RoundHooks,
     RoundPlan,
     after_failed_round,
+    contributing_members,
     expected_group_size,
     give_up_time,
     missed_round,
@@ -218,3 +219,23 @@ def test_a_resync_request_follows_the_failed_round_rule(peers, aux, resync) -> N
 def test_auxiliary_peers_are_never_expected_in_a_group() -> None:
     assert driver(peers=1, aux=2).plan().expected_group_size is None  # a lone trainer expects no one
     assert driver(peers=2, aux=1).plan().expected_group_size == 2
+
+
+def _report(*parts: tuple[str, ...]) -> SimpleNamespace:
+    return SimpleNamespace(contributors=parts)
+
+
+def test_a_group_size_is_expected_once_a_round_had_a_group() -> None:
+    """plan_after: the one rule of gradient and state rounds (the tracker may not see a late peer yet
+    before any round had a group; from then on the group forms as soon as every expected peer looks)."""
+    assert contributing_members(None) == 0 and contributing_members(_report(("a",), ())) == 1
+    assert contributing_members(_report(("a", "b"), ("b", "c"))) == 3
+    rounds = driver(peers=3)
+    assert rounds.plan_after(None).expected_group_size is None
+    assert rounds.plan_after(_report(("a",))).expected_group_size is None  # a round alone had no group
+    assert rounds.plan_after(_report(("a", "b"))).expected_group_size == 3  # the tracker sees more
+    assert driver(peers=2).plan_after(_report(("a", "b", "c"))).expected_group_size == 3  # the last group
+    # expecting a group size, the fallback is two matchmaking times away (late peers still join)
+    now = get_dht_time()
+    plan = rounds.plan_after(_report(("a", "b")), eta=now + 10)
+    assert plan.scheduled_time == pytest.approx(now + 10 + 2 * 0.5, abs=0.2)

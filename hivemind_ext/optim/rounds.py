@@ -4,7 +4,7 @@ The Optimizer's gradient rounds, the algorithms' rounds (:class:`.AlgorithmRunne
 peer and asynchronous model averaging all ask this module the same questions:
 
 - when is the round scheduled, and when is its deadline (:func:`plan_round`);
-- how many peers to expect (:func:`expected_group_size`);
+- how many peers to expect (:func:`expected_group_size`, :func:`contributing_members`);
 - when to start matchmaking ahead of the epoch's end (:func:`should_prepare_round`);
 - when to stop waiting (:func:`give_up_time`, :func:`should_abandon_search`);
 - what a round missed or failed means (:func:`missed_round`, :func:`after_failed_round`);
@@ -126,6 +126,16 @@ def expected_group_size(last_group_size: int | None, peers_seen: int) -> int | N
     number with the contributing peers that are looking), so a trainer never waits for one."""
     expected = max(last_group_size or 0, peers_seen)
     return expected if expected >= 2 else None
+
+
+def contributing_members(report: Any) -> int:
+    """How many members contributed tensors to the round that ``report`` (an averager's ``last_round``,
+    None before its first) describes; auxiliary members and members that contributed to no part do
+    not count. A planned round expects a group size only once this is at least 2
+    (:meth:`RoundDriver.plan_after`)."""
+    if report is None:
+        return 0
+    return len({peer for part in report.contributors for peer in part})
 
 
 def plan_round(
@@ -282,6 +292,30 @@ class RoundDriver:
             averaging_timeout=self.averaging_timeout,
             eta=eta,
             expected=expected,
+        )
+
+    def plan_after(self, report: Any, *, eta: float | None = None) -> RoundPlan:
+        """The plan of a round that follows the round ``report`` describes (an averager's ``last_round``;
+        None before its first): every round of the Optimizer's built-in modes, gradient and state rounds.
+
+        A group size is expected only once a round had a group of two or more contributors: before it
+        the tracker's count can be short (a peer whose progress record has not arrived yet), and peers
+        that expected that count formed the first round without the late one, which then missed it.
+        From then on the group forms as soon as every expected peer is looking, instead of at the end
+        of a matchmaking time (with rotating groups, see :class:`RoundDriver`'s ``in_groups``, the
+        swarm's size chooses the matchmaking shard)."""
+        contributed = contributing_members(report)
+        return self.plan(eta=eta, last_group_size=contributed or None, expect_peers=contributed >= 2)
+
+    def missed_this_epoch(self) -> bool:
+        """:func:`missed_round` for a round about to begin at this peer's epoch end (none pre-scheduled):
+        most other peers already entered a further epoch, so they averaged this one without this peer
+        (not in groups smaller than the swarm, where that only says that some group finished)."""
+        return missed_round(
+            searching=None,
+            swarm_epoch=self.tracker.global_progress.epoch,
+            local_epoch=self.local_epoch(),
+            rounds_overlap_epochs=self.in_groups,
         )
 
     def after_failure(self, *, missed: bool = False) -> FailedRound:

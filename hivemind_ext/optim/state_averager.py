@@ -104,6 +104,7 @@ class TrainingStateAverager(DecentralizedAverager):
         scheduled_time: float | None = None,
         control: StepControl | None = None,
         epoch: int | None = None,
+        expected_group_size: int | None = None,
     ) -> StepControl:
         """Snapshots the live tensors into the buffers and starts a round in the background.
 
@@ -113,6 +114,7 @@ class TrainingStateAverager(DecentralizedAverager):
           With ``epoch`` given, every member tells its epoch, and a round whose members disagree is
           discarded by every member alike (see :meth:`apply_round`); ``in_groups``, only when their
           epochs are far apart (:func:`~hivemind_ext.optim.rounds.epochs_mix_well`).
+        :param expected_group_size: see :meth:`DecentralizedAverager.step` (the round driver's plan)
         """
         if self.round_in_progress:
             raise HivemindExtError("a state averaging round is already running")
@@ -122,7 +124,13 @@ class TrainingStateAverager(DecentralizedAverager):
             torch._foreach_copy_(list(buffers), snapshot)
             self._snapshot = snapshot
         if control is None:
-            control = self.step(wait=False, timeout=timeout, scheduled_time=scheduled_time, require_trigger=True)
+            control = self.step(
+                wait=False,
+                timeout=timeout,
+                scheduled_time=scheduled_time,
+                require_trigger=True,
+                expected_group_size=expected_group_size,
+            )
             assert isinstance(control, StepControl)
         if epoch is not None:
             control.gather = {"epoch": int(epoch)}

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from hivemind_ext.compression import ErrorFeedback, Float16Compression, SparseTopK
+from hivemind_ext.compression.error_feedback import Snapshot, find_error_feedback
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket, NamedTensor
 from hivemind_ext.optim.algorithms.diloco_outer import OuterRoundsImpl, averaged_by_group, outer_step, round_offset
@@ -198,6 +199,11 @@ class DiLoCoImpl(OuterRoundsImpl):
         self._round_ok: bool | None = None
         self._stepped = False  # whether the last round ended with an outer step
         self.last_group_size = 0
+        #: the codec's error feedback, or None; its residuals before the round in flight, and those to put
+        #: back before the next round (a round that was not applied is resent: see ErrorFeedback.snapshot)
+        self.error_feedback = find_error_feedback(algorithm.codec)
+        self._residuals: Snapshot | None = None
+        self._unsent_residuals: Snapshot | None = None
 
     # ----- what and how
 
@@ -272,6 +278,14 @@ class DiLoCoImpl(OuterRoundsImpl):
             self._end_round()
             return False
         self._round_ok = None
+        if self.error_feedback is not None:
+            # put back the residuals from before a round that was not applied: its pseudo-gradient is in
+            # this round's (anchor - params) again. Here, a whole round after it ended, not when it failed:
+            # a round given up at its deadline may still be compressing then
+            if self._unsent_residuals is not None:
+                self.error_feedback.restore(self._unsent_residuals)
+                self._unsent_residuals = None
+            self._residuals = self.error_feedback.snapshot()
         return True
 
     def on_average_result(self, succeeded: bool, report: Any = None) -> None:
@@ -299,6 +313,7 @@ class DiLoCoImpl(OuterRoundsImpl):
             self.history.append((self.round_index, "swarm", weight, group))
             return
         self.failed_rounds += 1
+        self._unsent_residuals = self._residuals  # nothing of this round was applied: see should_communicate
         if offset < 0:
             # the group was at a later round: this peer missed one that the others completed; the
             # download replaces the anchor, momentum, phase and parameters

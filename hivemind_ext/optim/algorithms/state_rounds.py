@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from hivemind.utils import get_dht_time
 
+from hivemind_ext.averaging.averager import RoundReport
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.optim.algorithms.base import AlgorithmContext
-from hivemind_ext.optim.rounds import next_epoch
+from hivemind_ext.optim.rounds import give_up_time, next_epoch
 from hivemind_ext.optim.state_averager import TrainingStateAverager
 
 
@@ -23,6 +24,7 @@ class StateRounds:
             raise ConfigurationError("state rounds need the context's state_averager")
         self.context = context
         self.averager: TrainingStateAverager = context.state_averager
+        self.deadline = 0.0  # the DHT time at which the last round begun gives up (see apply_now)
 
     def next_epoch(self) -> int:
         """The epoch this peer enters when its current one ends (the swarm's, if that is further)."""
@@ -34,23 +36,30 @@ class StateRounds:
             return False
         return not self.averager.has_round
 
-    def begin(self, epoch: int | None = None) -> None:
+    def begin(self, epoch: int | None = None, *, after: RoundReport | None = None) -> None:
         """Starts the round of ``epoch`` (the one the peer enters; rounds of peers that disagree on it
         are discarded, see :meth:`TrainingStateAverager.begin_round`); its result is applied by the
-        training thread, in ``step()``."""
-        config = self.context.config
+        training thread, in ``step()``.
+
+        It is planned as gradient rounds are (:meth:`~hivemind_ext.optim.rounds.RoundDriver.plan_after`):
+        once a round had a group, the group forms as soon as every expected peer is looking, instead of
+        a whole matchmaking time later. That round is this averager's last one, else ``after``: a round
+        this peer just had with the same swarm (this epoch's gradient round)."""
         if self.averager.has_round:
             return  # one still runs, or it finished and step() has not applied it yet (starting would lose it)
+        last = self.averager.last_round if self.averager.last_round is not None else after
+        plan = self.context.rounds.plan_after(last)
         self.averager.begin_round(
-            timeout=config.averaging_timeout + config.matchmaking_time,
-            scheduled_time=get_dht_time() + config.matchmaking_time,
+            timeout=plan.timeout(get_dht_time()),
+            scheduled_time=plan.scheduled_time,
+            expected_group_size=plan.expected_group_size,
             epoch=epoch,
         )
+        self.deadline = plan.deadline
 
     def apply_now(self) -> None:
         """Waits for the round (as long as it may take) and applies it (``delay_state_averaging=False``)."""
-        config = self.context.config
-        self.averager.apply_round(wait=config.averaging_timeout + config.matchmaking_time + 1.0)
+        self.averager.apply_round(wait=max(0.0, give_up_time(self.deadline) - get_dht_time()))
 
     def collect(self, wait: bool) -> None:
         """Applies a finished round (``wait``: for up to about ``averaging_timeout`` while it runs)."""

@@ -285,6 +285,11 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         self._step_ends: deque[float] = deque(maxlen=algorithm.inner_steps + 1)  # for round_window
         #: the codec's error feedback (residuals per fragment: the key is the fragment's bucket name), or None
         self.error_feedback = find_error_feedback(algorithm.codec)
+        try:
+            self.start_averagers()
+        except BaseException:
+            self.shutdown()
+            raise
 
     def check_downloaded_phase(self, phase: list[float]) -> None:
         check_phase(phase, self.algorithm.inner_steps, self.algorithm.fragments)
@@ -366,15 +371,8 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
             self.solo_rounds += 1
             self.history.append((f, round_index, "solo", weight, 1, 0))
             return
-        outer = [fragment.outer] if fragment.outer is not None else []
-        if fragment.averager is None:
-            fragment.averager = bucket_averager(
-                self.context,
-                f"stream{self.algorithm.fragments}f{f}",
-                [fragment.bucket, fragment.check, *outer],
-                [self.algorithm.codec, None, *(None for _ in outer)],
-            )
-        with fragment.averager.get_tensors():
+        averager = self._averager(fragment)
+        with averager.get_tensors():
             fragment.bucket.pack()
             fragment.check.flat.fill_(float(round_index))
             if fragment.mixing is not None and fragment.outer is not None:
@@ -386,7 +384,7 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         # others only at their next round, at another round index
         window = round_window(list(self._step_ends), self.algorithm.inner_steps)
         plan = self.context.rounds.plan(eta=get_dht_time() + window, last_group_size=fragment.last_group_size)
-        control = fragment.averager.step(
+        control = averager.step(
             weight=weight,
             scheduled_time=plan.scheduled_time,
             timeout=plan.timeout(get_dht_time()),
@@ -396,6 +394,25 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         if not isinstance(control, StepControl):
             raise HivemindExtError("a step with wait=False must return its StepControl")
         fragment.pending = _Round(control, self.step_index, round_index, snapshot, fragment.samples, weight, residuals)
+
+    def _averager(self, fragment: _Fragment) -> DecentralizedAverager:
+        """The fragment's averager, started at its first round (or by :meth:`start_averagers`)."""
+        if fragment.averager is None:
+            outer = [fragment.outer] if fragment.outer is not None else []
+            fragment.averager = bucket_averager(
+                self.context,
+                f"stream{self.algorithm.fragments}f{fragment.index}",
+                [fragment.bucket, fragment.check, *outer],
+                [self.algorithm.codec, None, *(None for _ in outer)],
+            )
+        return fragment.averager
+
+    def start_averagers(self) -> None:
+        """Starts every fragment's averager now, before training: starting one (its RPC handlers, its
+        record signing in the DHT: a DHT round trip) took ~0.4 s of the training thread at the first
+        round of each fragment on the thin-link benchmark, an inner step's worth of compute lost."""
+        for fragment in self.fragments:
+            self._averager(fragment)
 
     def _settle(self, fragment: _Fragment) -> None:
         """Waits for the fragment's round (the round driver: hooks, deadline), then applies its outer

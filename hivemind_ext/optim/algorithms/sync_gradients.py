@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -194,12 +193,7 @@ class SyncGradientsImpl(AlgorithmImpl):
         eta = self.context.tracker.estimated_next_update_time
         if not should_prepare_round(now, eta, self.context.config.matchmaking_time):
             return
-        report = self.grad_averager.last_round
-        # expect a group size only once a round had a group (as before the restructure): before it, the
-        # tracker's count can be short (a peer whose progress record has not arrived yet), and peers that
-        # expected that count formed the first round without the late one, which then missed it
-        contributed = len({peer for part in report.contributors for peer in part}) if report is not None else 0
-        plan = self.context.rounds.plan(eta=eta, last_group_size=contributed or None, expect_peers=contributed >= 2)
+        plan = self.context.rounds.plan_after(self.grad_averager.last_round, eta=eta)
         logger.log(
             self.context.status_loglevel, f"pre-scheduling the gradient round in {plan.scheduled_time - now:.2f} s"
         )
@@ -220,7 +214,10 @@ class SyncGradientsImpl(AlgorithmImpl):
         # the state round snapshots the parameters after this epoch's optimizer step on every peer (a
         # delayed step runs it in the background job, right after the step), or peers would average
         # parameters taken before the step on some and after it on others, and drift apart
-        begin_state_round = functools.partial(self.state_rounds.begin, entering) if average_state else None
+        # (this epoch's gradient round, just before it, tells the state round whom to expect)
+        begin_state_round = (
+            (lambda: self.state_rounds.begin(entering, after=self.grad_averager.last_round)) if average_state else None
+        )
         self._wait_background()  # the buffers and the optimizer must be free
         control, self.scheduled_round = self.scheduled_round, None
         if control is not None and control.done() and not control.triggered:
