@@ -50,6 +50,17 @@ class RoundPlan:
         """What ``DecentralizedAverager.step(timeout=...)`` takes: the deadline, relative to ``now``."""
         return self.deadline - now
 
+    def begin(self, averager: Any, *, weight: float) -> StepControl:
+        """Starts this round on ``averager`` (a ``DecentralizedAverager``) in the background: its control."""
+        control = averager.step(
+            weight=weight,
+            scheduled_time=self.scheduled_time,
+            timeout=self.timeout(get_dht_time()),
+            expected_group_size=self.expected_group_size,
+            wait=False,
+        )
+        return control
+
 
 @dataclasses.dataclass(frozen=True)
 class FailedRound:

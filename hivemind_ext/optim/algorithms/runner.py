@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hivemind.utils import get_dht_time
-
 from hivemind_ext.averaging.averager import DecentralizedAverager, RoundReport
 from hivemind_ext.compression import CompressionInfo, NoCompression, PerTensorCompression
 from hivemind_ext.compression.resolve import as_codec
@@ -167,14 +165,7 @@ class AlgorithmRunner:
             # time with whoever is (peers reach the epoch's end up to a tracker refresh apart)
             last = averager.last_round.group_size if averager.last_round is not None else None
             plan = rounds.plan(last_group_size=last)
-            control = averager.step(
-                weight=weight,
-                scheduled_time=plan.scheduled_time,
-                timeout=plan.timeout(get_dht_time()),
-                expected_group_size=plan.expected_group_size,
-                wait=False,
-            )
-            rounds.wait(control, watch_swarm=epoch_rounds)
+            rounds.wait(plan.begin(averager, weight=weight), watch_swarm=epoch_rounds)
         except ROUND_ERRORS as e:
             self.failed_rounds += 1
             outcome = rounds.after_failure()
