@@ -12,7 +12,9 @@ direct path and libp2p streams only (like hivemind).
 On a shared machine the load changes within minutes, so for each codec every swarm (hivemind's and
 ours per transport) runs at once, idle, and they take turns round by round (the order rotating every
 round): each median is over rounds that ran under the same load as the others'. The load average is
-printed with every codec.
+printed with every codec, and so is the CPU time our peer processes spent per round (all together),
+which is steadier than wall time under load (hivemind's averager runs in child processes of its
+peers, so there is no such figure for it).
 
 hivemind's 8-bit codecs raise TypeError under numpy 2; run this under numpy 1.26 to compare
 MinMaxUInt8 with hivemind's Uniform8BitQuantization (see the README).

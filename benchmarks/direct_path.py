@@ -11,8 +11,8 @@ has no direct path; its transport is the libp2p daemon's streams, which the libp
 with our framing, so that column is the libp2p case.
 
 On a loaded machine wall-clock throughput swings by several times between runs, so the benchmark
-also reports the CPU time that the caller's and the server's processes spent per GB moved (the
-daemons' processes are not counted, so this is for the direct paths only): where CPU is the limit,
+also reports the CPU time that the caller's and the server's processes spent per GB moved, together
+and each (the daemons' processes are not counted, so this is for the direct paths only): where CPU is the limit,
 throughput is inversely proportional to it, and it is far steadier under load. Its ratio
 (plaintext CPU / encrypted CPU) estimates the throughput ratio on an otherwise idle machine.
 

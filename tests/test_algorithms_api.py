@@ -241,9 +241,9 @@ class _FailEveryRound(RoundHooks):
 class _Swarm:
     """What the runner reaches through its context (no network): 3 peers, rounds that fail."""
 
-    def __init__(self) -> None:
+    def __init__(self, swarm_epoch: int = 0) -> None:
         self.hooks = _FailEveryRound()
-        tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3, num_trainers=3, epoch=0))
+        tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3, num_trainers=3, epoch=swarm_epoch))
         self.rounds = RoundDriver(
             tracker=tracker, matchmaking_time=0.5, averaging_timeout=5.0, local_epoch=lambda: 0, hooks=self.hooks
         )
@@ -289,6 +289,34 @@ def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algo
     assert 0.9 <= averager.calls[0]["scheduled_time"] - started <= 1.5
     default = impl_class is AlgorithmImpl
     assert optimizer.hooks.watched == [default]  # epoch-end rounds give up once the swarm moved on
+    assert optimizer.resyncs == (1 if default else 0)
+
+
+def _runner_in(optimizer: _Swarm, impl_class: type[AlgorithmImpl] = AlgorithmImpl):
+    context = SimpleNamespace(
+        params=[torch.randn(3)], grad_compression=None, rounds=optimizer.rounds, request_resync=optimizer.request_resync
+    )
+    impl = impl_class(context)
+    results: list[bool] = []
+    impl.on_average_result = lambda succeeded, report=None: results.append(succeeded)
+    averager = _Averager()
+    return AlgorithmRunner(impl, averager_factory=lambda position, buckets: averager), averager, results
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("impl_class", [AlgorithmImpl, _OwnSchedule])
+def test_a_peer_behind_the_swarm_skips_the_round_it_missed_and_resyncs(impl_class) -> None:
+    """At its epoch's end, a peer whose swarm already entered the next epoch averaged nothing with it: a
+    search would join the next epoch's round with this epoch's values (a late peer did, and stayed an
+    epoch behind, missing round after round). It downloads the state instead, without searching.
+    Algorithms on their own schedule (DiLoCo) are not tied to the epoch and still average."""
+    optimizer = _Swarm(swarm_epoch=1)
+    runner, averager, results = _runner_in(optimizer, impl_class)
+    runner.average(runner.buckets)
+    default = impl_class is AlgorithmImpl
+    assert results == [False] and runner.failed_rounds == 1
+    assert len(averager.calls) == (0 if default else 1)  # no search at all for the missed epoch round
+    assert optimizer.hooks.watched == ([] if default else [False])
     assert optimizer.resyncs == (1 if default else 0)
 
 

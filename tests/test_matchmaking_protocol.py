@@ -48,6 +48,11 @@ def fresh(index: int, **kwargs) -> Declaration:
     return replace(declaration(index, **kwargs), expiration=-math.inf)
 
 
+def declared(index: int, **kwargs) -> Looking:
+    """A peer looking for a group whose declaration has been stored (one request timeout of ``config()``)."""
+    return Looking(replace(declaration(index, **kwargs), expiration=NOW + 1.0))
+
+
 def board_after(*writes: Write, board: Board | None = None, now: float = NOW) -> Board:
     """What a reader sees once ``writes`` landed on top of ``board`` (the later expiration wins)."""
     dht = LaggingDHT(seed=0, max_lag=0.0)
@@ -77,6 +82,18 @@ def test_the_first_step_declares_until_one_request_timeout_or_the_deadline() -> 
     assert near.writes[0].expiration_time == NOW + 0.5
 
 
+def test_a_new_attempt_declares_before_it_plans_even_when_it_would_lead_a_full_group() -> None:
+    # Sealing on its first read (before anyone had seen it) let a peer that died right after hold its
+    # group two request timeouts (1,000 simulated peers, 2% dying, seed 1: 31.9 polls).
+    cfg = config()
+    others = board_of(*(declaration(i) for i in (1, 2, 3)))
+    first = step(Looking(fresh(0)), NOW, others, cfg)
+    assert isinstance(first.state, Looking) and first.urgent
+    assert [w.value["state"] for w in first.writes] == ["looking"]
+    second = step(first.state, NOW + 0.01, board_after(*first.writes, board=others), cfg)
+    assert isinstance(second.state, Leading) and len(second.state.group.members) == 4
+
+
 def test_declarations_are_refreshed_after_a_third_of_their_lifetime() -> None:
     cfg = config(request_timeout=0.9)
     state = step(Looking(fresh(0)), NOW, Board(), cfg).state
@@ -88,7 +105,7 @@ def test_declarations_are_refreshed_after_a_third_of_their_lifetime() -> None:
 def test_the_leader_seals_a_full_group_and_confirms_itself() -> None:
     cfg = config()
     others = [declaration(i) for i in (1, 2, 3)]
-    result = step(Looking(fresh(0)), NOW, board_of(*others), cfg)
+    result = step(declared(0), NOW, board_of(*others), cfg)
     assert isinstance(result.state, Leading)
     sealed = result.state.group
     assert sealed.members == tuple(member(i) for i in range(4))
@@ -102,15 +119,15 @@ def test_the_leader_seals_a_full_group_and_confirms_itself() -> None:
 
 
 def test_a_member_that_is_not_the_leader_waits_and_polls_sooner() -> None:
-    result = step(Looking(fresh(3)), NOW, board_of(*(declaration(i) for i in range(3))), config())
+    result = step(declared(3), NOW, board_of(*(declaration(i) for i in range(3))), config())
     assert isinstance(result.state, Looking) and result.urgent  # its leader is about to seal
-    alone = step(Looking(fresh(3)), NOW, board_of(declaration(0)), config())
+    alone = step(declared(3), NOW, board_of(declaration(0)), config())
     assert isinstance(alone.state, Looking) and not alone.urgent
 
 
 def test_a_peer_polls_at_the_urgent_pace_just_after_it_starts_looking() -> None:
     cfg = config(poll_interval=0.05)
-    alone = Looking(fresh(0, declared_at=NOW))
+    alone = declared(0, declared_at=NOW)
     assert step(alone, NOW, Board(), cfg).urgent
     assert step(alone, NOW + (EAGER_POLLS - 0.5) * cfg.poll_interval, Board(), cfg).urgent
     assert not step(alone, NOW + (EAGER_POLLS + 0.5) * cfg.poll_interval, Board(), cfg).urgent
@@ -119,7 +136,7 @@ def test_a_peer_polls_at_the_urgent_pace_just_after_it_starts_looking() -> None:
 def test_a_peer_polls_sooner_while_its_group_is_being_formed() -> None:
     cfg = config()
     leading, board = _sealed_by_leader(cfg)
-    assert leading == step(Looking(fresh(0)), NOW, board_of(*(declaration(i) for i in (1, 2, 3))), cfg).state
+    assert leading == step(declared(0), NOW, board_of(*(declaration(i) for i in (1, 2, 3))), cfg).state
     assert step(leading, NOW + 0.01, board, cfg).urgent
     assert step(Looking(declaration(1)), NOW + 0.01, board, cfg).urgent  # joins the sealed group
     assert step(Following(declaration(1), leading.group), NOW + 0.01, board, cfg).urgent
@@ -128,14 +145,14 @@ def test_a_peer_polls_sooner_while_its_group_is_being_formed() -> None:
 def test_commit_time_leaves_the_nearest_deadline_one_poll() -> None:
     cfg = config()
     others = [declaration(1, deadline=NOW + 0.5), declaration(2), declaration(3)]
-    sealed = step(Looking(fresh(0)), NOW, board_of(*others), cfg).state.group
+    sealed = step(declared(0), NOW, board_of(*others), cfg).state.group
     assert sealed.commit_by == NOW + 0.5 - cfg.poll_interval
 
 
 def _sealed_by_leader(cfg: MatchmakingConfig, count: int = 4, ready_at: float = 100.0):
     """Peer 0 seals a group of ``count``: a full one before their scheduled time by default."""
     board = board_of(*(declaration(i, ready_at=ready_at) for i in range(1, count)))
-    result = step(Looking(fresh(0, ready_at=ready_at)), NOW, board, cfg)
+    result = step(declared(0, ready_at=ready_at), NOW, board, cfg)
     return result.state, board_after(*result.writes, board=board)
 
 
@@ -254,10 +271,22 @@ def test_a_group_too_small_at_commit_time_is_abandoned_and_everyone_retries() ->
     assert isinstance(follower.state, Looking) and follower.group is None
 
 
+def test_an_abandoned_leader_leaves_out_of_its_plans_only_members_that_never_answered() -> None:
+    # Ignoring members that went elsewhere too left two honest leftovers ignoring each other on the
+    # prefix's board for three request timeouts (1,000 simulated peers, 2% dying, seed 3: 67 polls).
+    cfg = config(min_group_size=2)
+    leading, board = _sealed_by_leader(cfg)
+    board = board_after(marker_write(member(1).key, "ab" * 16, 1_000.0), board=board)  # joined another group
+    board = board_after(marker_write(member(2).key, None, 1_000.0), board=board)  # left (fell back, retried)
+    result = step(leading, leading.group.commit_by, board, cfg)  # peer 3 never answered
+    assert result.group is None and isinstance(result.state, Looking)
+    assert [peer for peer, _ in result.state.ignored] == [member(3).peer_id]
+
+
 def test_an_all_auxiliary_group_commits_but_a_mixed_one_left_with_auxiliary_peers_is_abandoned() -> None:
     cfg = config()
     aux = [declaration(i, auxiliary=True, ready_at=NOW) for i in range(1, 4)]
-    result = step(Looking(fresh(0, auxiliary=True, ready_at=NOW)), NOW, board_of(*aux), cfg)
+    result = step(declared(0, auxiliary=True, ready_at=NOW), NOW, board_of(*aux), cfg)
     leading = result.state
     assert isinstance(leading, Leading)
     board = _confirm(board_after(*result.writes, board=board_of(*aux)), leading.group, ())
@@ -268,7 +297,7 @@ def test_an_all_auxiliary_group_commits_but_a_mixed_one_left_with_auxiliary_peer
     # an auxiliary leader seals a group with a trainer; the trainer never confirms: what is left has
     # nothing to average, so the group is abandoned and the auxiliary peers look for one with work
     mixed = [declaration(1), *(declaration(i, auxiliary=True) for i in (2, 3))]
-    sealed = step(Looking(fresh(0, auxiliary=True)), NOW, board_of(*mixed), cfg)
+    sealed = step(declared(0, auxiliary=True), NOW, board_of(*mixed), cfg)
     mixed_leader = sealed.state
     assert isinstance(mixed_leader, Leading) and not all_auxiliary(mixed_leader.group.members)
     mixed_board = _confirm(board_after(*sealed.writes, board=board_of(*mixed)), mixed_leader.group, (2, 3))

@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from matchmaking_builders import board_of, config, declaration
 
 from hivemind_ext.averaging.matchmaking.board import board_key, declaration_write, parse_board, parse_record
-from hivemind_ext.averaging.matchmaking.group import Declaration, GroupInfo, looking_peers
+from hivemind_ext.averaging.matchmaking.group import (
+    Declaration,
+    GroupInfo,
+    MatchmakingConfig,
+    looking_peers,
+    plan_groups,
+)
 from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Leading, Looking, fall_back, step
 from hivemind_ext.averaging.matchmaking.rotation import (
     DIGITS,
@@ -200,6 +206,20 @@ def test_a_peer_in_no_full_group_of_its_shard_soon_falls_back_to_the_coarser_sha
     root = config(target_group_size=4, digits=(0, 1, 2))
     mine = Declaration(**{**me.__dict__, "prefix": root.group_key})
     assert not step(Looking(mine), 20.0, board_of(mine), root).fall_back, "the prefix's board is the last"
+
+
+def test_full_groups_form_at_once_on_the_prefixs_board_of_a_sharded_swarm() -> None:
+    # Peers that fell back there from their shards waited for a whole swarm that never came, until
+    # their scheduled time, then split into small groups (64 real peers: groups of 2-7).
+    def board(swarm: int) -> tuple[MatchmakingConfig, list[Declaration]]:
+        cfg = config(target_group_size=8, digits=(0, 1, 2), expected_group_size=swarm, min_matchmaking_time=5.0)
+        peers = [Declaration(**{**declaration(i).__dict__, "digits": (0, i % 8, i)}) for i in range(8)]
+        return cfg, peers
+
+    cfg, peers = board(64)  # sharded: only peers that fell back come to the prefix's board
+    assert [len(g) for g in plan_groups(10.0, peers, cfg)] == [8]
+    cfg, peers = board(16)  # no shards: the swarm's own board waits for the swarm
+    assert plan_groups(10.0, peers, cfg) == []
 
 
 # ---------------------------------------------------------------- the protocol over a simulated DHT

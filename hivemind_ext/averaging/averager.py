@@ -154,7 +154,9 @@ class DecentralizedAverager:
       with session keys handed out over their authenticated libp2p channel (see
       ``hivemind_ext.p2p.direct_records``),
       and over libp2p for every pair where no direct connection can be made (client mode, NAT, a
-      firewall); ``last_round.transports`` says which pair used which. It saves the daemons' copies,
+      firewall), or where either peer declared a thin link (below 150 Mbit/s: there libp2p's
+      long-lived connections share the link better, see ``allreduce/paths.py``);
+      ``last_round.transports`` says which pair used which. It saves the daemons' copies,
       which dominate the CPU cost of large rounds on fast links. ``True`` listens on the address of
       the DHT's ``host_maddrs`` and offers its ``announce_maddrs`` (see
       ``hivemind_ext.p2p.direct_address``); an IP address string listens there; a ``DirectConfig``

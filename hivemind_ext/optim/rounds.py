@@ -50,6 +50,17 @@ class RoundPlan:
         """What ``DecentralizedAverager.step(timeout=...)`` takes: the deadline, relative to ``now``."""
         return self.deadline - now
 
+    def begin(self, averager: Any, *, weight: float) -> StepControl:
+        """Starts this round on ``averager`` (a ``DecentralizedAverager``) in the background: its control."""
+        control = averager.step(
+            weight=weight,
+            scheduled_time=self.scheduled_time,
+            timeout=self.timeout(get_dht_time()),
+            expected_group_size=self.expected_group_size,
+            wait=False,
+        )
+        return control
+
 
 @dataclasses.dataclass(frozen=True)
 class FailedRound:
@@ -306,6 +317,17 @@ class RoundDriver:
         swarm's size chooses the matchmaking shard)."""
         contributed = contributing_members(report)
         return self.plan(eta=eta, last_group_size=contributed or None, expect_peers=contributed >= 2)
+
+    def missed_this_epoch(self) -> bool:
+        """:func:`missed_round` for a round about to begin at this peer's epoch end (none pre-scheduled):
+        most other peers already entered a further epoch, so they averaged this one without this peer
+        (not in groups smaller than the swarm, where that only says that some group finished)."""
+        return missed_round(
+            searching=None,
+            swarm_epoch=self.tracker.global_progress.epoch,
+            local_epoch=self.local_epoch(),
+            rounds_overlap_epochs=self.in_groups,
+        )
 
     def after_failure(self, *, missed: bool = False) -> FailedRound:
         """:func:`after_failed_round` with the peers the tracker sees now."""

@@ -135,14 +135,16 @@ class RPCClient:
         timeout: float | None = None,
         deadline: float | None = None,
         limits: Limits | None = None,
+        direct: bool = True,
     ) -> ClientStream:
         """Opens a streaming call to handler ``name`` on ``peer_id``; the deadline bounds the whole call.
 
         Use as ``async with await client.open_stream(...) as stream:`` so that it is closed on exit.
+        ``direct=False`` keeps this call on libp2p even where this client prefers the direct path.
         """
         deadline = resolve_deadline(timeout, deadline, self.default_timeout)
         limits = limits if limits is not None else self.limits
-        return ClientStream(await self._open(peer_id, name, deadline, limits), peer_id, name, deadline)
+        return ClientStream(await self._open(peer_id, name, deadline, limits, direct), peer_id, name, deadline)
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -168,9 +170,11 @@ class RPCClient:
             owner.spawn(call._send_all_or_fail(requests), name=f"send {name} to {peer_id}")
             yield call
 
-    async def _open(self, peer_id: PeerID, name: str, deadline: float, limits: Limits) -> FramedStream:
+    async def _open(
+        self, peer_id: PeerID, name: str, deadline: float, limits: Limits, direct_allowed: bool = True
+    ) -> FramedStream:
         direct = None
-        if self.direct is not None and name != TICKET_HANDLER:
+        if self.direct is not None and direct_allowed and name != TICKET_HANDLER:
             direct = await self.direct.connect(peer_id, name, deadline)
         if direct is None:
             connection, transport = await self._open_libp2p(peer_id, name, deadline), "libp2p"

@@ -9,7 +9,8 @@ Which file does what:
 - :mod:`.partition`: who reduces what (part sizes that minimize the round's predicted time given the
   members' bandwidths, chunk bounds, member roles);
 - :mod:`.throughput`: this peer's bandwidth, measured from its rounds (what it declares by default);
-- :mod:`.layout`: where every value of a round goes (parts, chunks, the layout fingerprint);
+- :mod:`.layout`: where every value of a round goes (parts, chunks and their size, the layout fingerprint);
+- :mod:`.paths`: which streams take the direct data path (not those over thin links);
 - :mod:`.wire`: the messages on one (sender, owner) stream, built and strictly parsed;
 - :mod:`.round_state`: what one member keeps for one round, shared by its two sides;
 - :mod:`.run`: one member's run of one round (a sender task per owner, plus its own part);

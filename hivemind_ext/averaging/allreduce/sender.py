@@ -25,6 +25,7 @@ from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.allreduce.api import PartOutcome
 from hivemind_ext.averaging.allreduce.layout import RoundLayout
+from hivemind_ext.averaging.allreduce.paths import direct_path_pays
 from hivemind_ext.averaging.allreduce.reducer import all_finite
 from hivemind_ext.averaging.allreduce.round_state import RoundContext
 from hivemind_ext.averaging.allreduce.wire import (
@@ -71,7 +72,10 @@ async def _exchange(
     context: RoundContext, client: RPCClient, owner: int
 ) -> tuple[tuple[PeerID, ...], list[tuple[PeerID, ...]]]:
     peer = context.peers[owner]
-    stream = await client.open_stream(peer, HANDLER_NAME, deadline=context.deadline, limits=context.limits)
+    direct = direct_path_pays(context.members[context.me], context.members[owner])  # see .paths
+    stream = await client.open_stream(
+        peer, HANDLER_NAME, deadline=context.deadline, limits=context.limits, direct=direct
+    )
     async with stream, TaskOwner(f"allreduce: sending part {owner} to {peer}") as tasks:
         sending = tasks.spawn(_send_slice(context, stream, owner), report_errors=False)
         try:

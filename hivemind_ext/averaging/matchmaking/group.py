@@ -49,6 +49,7 @@ from hivemind_ext.averaging.matchmaking.rotation import (
     expected_in_shard,
     in_shard,
     ranking,
+    shard_depth,
     shard_key,
     split_evenly,
 )
@@ -336,10 +337,8 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
         if config.target_group_size is None and expected is not None and contributing >= expected:
             if count >= config.min_group_size:  # every expected contributor is here: one group, now
                 return [tuple(sorted(ranked, key=_member_order))]
-        if config.digits and not config.shard_depth and config.target_group_size is not None and expected is not None:
-            # rotating groups on one board (see .rotation): wait for the swarm, so that groups mix
-            if contributing < expected_in_shard(expected, config.target_group_size, 0):
-                return []
+        if _waits_for_the_swarm(config) and contributing < expected_in_shard(expected, config.target_group_size, 0):
+            return []  # rotating groups on the swarm's one board (see .rotation): wait for it, so that groups mix
         groups, rest = divmod(count, target)
         # (in a shard, the rest falls back to the coarser shard's board soon: see .rotation)
         stranded = 0 < rest < config.min_group_size and not config.shard_depth
@@ -348,6 +347,18 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
         chosen = ranked[: groups * target]
     split = split_evenly(chosen, groups)
     return [tuple(sorted(group, key=_member_order)) for group in _balance_roles(split)]
+
+
+def _waits_for_the_swarm(config: MatchmakingConfig) -> bool:
+    """Whether full groups on this board wait for the whole swarm (see :mod:`.rotation`): the prefix's
+    board of a swarm small enough to have no shards. Where the swarm has shards, the prefix's board
+    is only reached by falling back, by peers of different shards: the swarm never comes there, and
+    waiting for it held every peer that fell back until its scheduled time (64 real peers: groups of
+    2-7 formed at the scheduled time from those leftovers, where full groups of 8 were there)."""
+    target, expected = config.target_group_size, config.expected_group_size
+    if not config.digits or config.shard_depth or target is None or expected is None:
+        return False
+    return shard_depth(expected, target) == 0
 
 
 def is_viable(members: Iterable[Member]) -> bool:

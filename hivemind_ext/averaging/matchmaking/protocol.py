@@ -56,7 +56,8 @@ class Looking:
 
     ``waiting_on``: the leader of the group this peer is planned into, and since when; ``ignored``:
     (peer id, until when) of peers that stayed planned leaders for ``request_timeout`` without
-    sealing, did not confirm a group this peer sealed, or sealed one and never committed it (dead, or
+    sealing, never answered a group this peer sealed (neither confirmed it nor visibly went elsewhere
+    or left), or sealed one and never committed it (dead, or
     a hostile peer that declares and never acts), left out of this peer's plans for
     ``IGNORE_TIMEOUTS`` request timeouts. Without it, a peer that keeps refreshing a declaration
     could hold a group back for ever (a Sybil that declares on every shard's board, for instance);
@@ -164,6 +165,14 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     offers = _offers(me, now, board)
     if offers:
         return _join(me, min(offers, key=lambda g: g.group_id), now, config, state.ignored)  # any fixed tie-break
+    if me.expiration == -math.inf:
+        # A new attempt only declares; it plans (and may seal) from its next step on. Sealing on its first
+        # read, before anyone had seen it, took members out of groups planned without it (a lower leader's
+        # seal wins), and a peer that died right after held them two request timeouts (1,000 simulated
+        # peers, 2% dying). The matchmaker's first step sees an empty board anyway; the rule lives here so
+        # that every driver (the simulation too) runs the protocol the peers run.
+        me, declare = _refresh(me, now, config)
+        return Step(replace(state, declaration=me), declare, urgent=True)
     me, refresh = _refresh(me, now, config)
     ignored = {peer for peer, until in state.ignored if until > now}
     overlay = {key: d for key, d in board.declarations.items() if d.member.peer_id not in ignored}
@@ -234,8 +243,9 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         members = ()
     commit = commit_write(Commit(group.group_id, tuple(m.key for m in members)), _record_expiration(now, config))
     if not members:
-        # whoever did not confirm is left out of my next plans (an honest one went to another group)
-        silent = {m.peer_id for m in others if m.key not in confirmed}
+        # whoever never answered (no marker: dead, or hostile) is left out of my next plans for a while;
+        # one that visibly went elsewhere or left is honest, and may be my best partner on its next attempt
+        silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in board.markers}
         return _retry(state.declaration, now, config, (commit,), _ignore(state.ignored, silent, now, config))
     return Step(state, (commit,), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
 

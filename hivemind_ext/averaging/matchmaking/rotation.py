@@ -25,7 +25,10 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   form groups before their scheduled time only once the ``N`` peers are looking
   (:func:`expected_in_shard`), not as soon as ``M`` are: peers that finished the last round
   together also start looking together, and would otherwise form the same group again. In a shard
-  that cannot happen: the members of one group were dealt different last digits.
+  that cannot happen: the members of one group were dealt different last digits. Nor on the
+  prefix's board of a swarm that has shards: only peers that fell back from different shards come
+  there, so full groups form there at once too (waiting for a swarm that never comes held them
+  until their scheduled time, and the leftovers then split into small groups).
 - **Falling back.** In a shard, full groups form as soon as their peers are looking, whatever is
   left over. A peer that is in no full group ``SHARD_WAIT_POLLS`` poll intervals after it came to
   its shard's board (hashed coordinates fill shards unevenly), or at its scheduled time, moves to
@@ -162,7 +165,9 @@ def rotation_groups(
     """One round of the rule for a whole swarm that is looking at once (the model the tests and the
     benchmark simulate): shards by the last ``depth`` digits; in each shard, full groups of ``base``
     as consecutive runs of the ranking (as :func:`.group.plan_groups` forms them in a shard before
-    the scheduled time); the others fall back one level at a time. On the prefix's board: the fewest
+    the scheduled time); the others fall back one level at a time. On the prefix's board: where the
+    swarm has shards (``depth`` > 0), full groups at once and the rest as one group at the scheduled
+    time (unless that would be smaller than ``min_group_size``); otherwise (and then) the fewest
     groups of at most ``base`` with sizes differing by at most one and at least ``min_group_size``
     (the split at the scheduled time); peers left over there (fewer than ``min_group_size``) are in
     no group."""
@@ -174,9 +179,14 @@ def rotation_groups(
             shards.setdefault(coordinates[peer][len(coordinates[peer]) - level :] if level else (), []).append(peer)
         waiting = []
         for members in shards.values():
+            full, rest = divmod(len(members), base)
             if level:  # full groups only; the rest falls back
-                count = len(members) // base
+                count = full
                 size = count * base
+            elif depth and (rest == 0 or rest >= min_group_size):  # fell back: full groups at once, then the rest
+                groups.extend(split_evenly(members[: full * base], full))
+                members, rest = members[full * base :], 0
+                count, size = (1, len(members)) if members else (0, 0)
             else:  # as .group.plan_groups splits at the scheduled time
                 count = min(-(-len(members) // base), len(members) // min_group_size)
                 size = min(len(members), count * base)

@@ -21,12 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hivemind.utils import get_dht_time
-
 from hivemind_ext.averaging.averager import DecentralizedAverager, RoundReport
 from hivemind_ext.compression import CompressionInfo, NoCompression, PerTensorCompression
 from hivemind_ext.compression.resolve import as_codec
-from hivemind_ext.errors import ConfigurationError, HivemindExtError
+from hivemind_ext.errors import ConfigurationError, HivemindExtError, MatchmakingError
 from hivemind_ext.optim.algorithms.base import AlgorithmContext, AlgorithmImpl, AverageOp, Bucket
 
 if TYPE_CHECKING:
@@ -154,23 +152,20 @@ class AlgorithmRunner:
         for bucket in buckets:
             bucket.pack()
         rounds = self.context.rounds
-        # the group forms as soon as every peer the swarm reports is looking, else at the scheduled
-        # time with whoever is (peers reach the epoch's end up to a tracker refresh apart)
-        last = averager.last_round.group_size if averager.last_round is not None else None
-        plan = rounds.plan(last_group_size=last)
-        control = averager.step(
-            weight=weight,
-            scheduled_time=plan.scheduled_time,
-            timeout=plan.timeout(get_dht_time()),
-            expected_group_size=plan.expected_group_size,
-            wait=False,
-        )
         # rounds at the epoch's end (the default should_communicate): the swarm moving to the next epoch
         # while this peer still looks for a group means the round happened without it. Algorithms
         # that communicate on their own schedule (DiLoCo: every H steps) wait out the round instead.
         epoch_rounds = type(self.impl).should_communicate is AlgorithmImpl.should_communicate
         try:
-            rounds.wait(control, watch_swarm=epoch_rounds)
+            if epoch_rounds and rounds.missed_this_epoch():
+                # a search now could only wait for the swarm's next round and average this epoch's values
+                # with that epoch's (a late peer then stayed an epoch behind, missing round after round)
+                raise MatchmakingError("the swarm averaged this epoch before this peer reached its end")
+            # the group forms as soon as every peer the swarm reports is looking, else at the scheduled
+            # time with whoever is (peers reach the epoch's end up to a tracker refresh apart)
+            last = averager.last_round.group_size if averager.last_round is not None else None
+            plan = rounds.plan(last_group_size=last)
+            rounds.wait(plan.begin(averager, weight=weight), watch_swarm=epoch_rounds)
         except ROUND_ERRORS as e:
             self.failed_rounds += 1
             outcome = rounds.after_failure()

@@ -384,13 +384,7 @@ class OverlappedDiLoCoImpl(OuterRoundsImpl):
         # others only at their next round, at another round index
         window = round_window(list(self._step_ends), self.algorithm.inner_steps)
         plan = self.context.rounds.plan(eta=get_dht_time() + window, last_group_size=fragment.last_group_size)
-        control = averager.step(
-            weight=weight,
-            scheduled_time=plan.scheduled_time,
-            timeout=plan.timeout(get_dht_time()),
-            expected_group_size=plan.expected_group_size,
-            wait=False,
-        )
+        control = plan.begin(averager, weight=weight)
         if not isinstance(control, StepControl):
             raise HivemindExtError("a step with wait=False must return its StepControl")
         fragment.pending = _Round(control, self.step_index, round_index, snapshot, fragment.samples, weight, residuals)
