@@ -52,14 +52,13 @@ class RoundPlan:
 
     def begin(self, averager: Any, *, weight: float) -> StepControl:
         """Starts this round on ``averager`` (a ``DecentralizedAverager``) in the background: its control."""
-        control = averager.step(
+        return averager.step(
             weight=weight,
             scheduled_time=self.scheduled_time,
             timeout=self.timeout(get_dht_time()),
             expected_group_size=self.expected_group_size,
             wait=False,
         )
-        return control
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +117,7 @@ def round_outcome(control: StepControl, error: BaseException | None, waited: flo
     if report is None:  # a control that no averager reported on (e.g. a test's)
         result = control.result(0) if control.done() else None
         return RoundOutcome(group_size=len(result) if isinstance(result, dict) else 0, seconds=waited)
-    contributed = {peer for part in report.contributors for peer in part} | set(report.excluded)
+    contributed = contributors(report) | set(report.excluded)
     return RoundOutcome(
         group_size=report.group_size,
         seconds=report.seconds,
@@ -144,9 +143,12 @@ def contributing_members(report: Any) -> int:
     None before its first) describes; auxiliary members and members that contributed to no part do
     not count. A planned round expects a group size only once this is at least 2
     (:meth:`RoundDriver.plan_after`)."""
-    if report is None:
-        return 0
-    return len({peer for part in report.contributors for peer in part})
+    return len(contributors(report)) if report is not None else 0
+
+
+def contributors(report: Any) -> set[str]:
+    """The members that contributed tensors to at least one part of the round ``report`` describes."""
+    return {peer for part in report.contributors for peer in part}
 
 
 def plan_round(

@@ -16,7 +16,7 @@ from typing import Any
 from hivemind.p2p import PeerID
 
 from hivemind_ext.averaging.allreduce.api import AllreduceResult, PartOutcome
-from hivemind_ext.averaging.allreduce.layout import plan_round_layout, round_chunk_bytes
+from hivemind_ext.averaging.allreduce.layout import member_roles, plan_layout, round_chunk_bytes
 from hivemind_ext.averaging.allreduce.owner import OwnedPart
 from hivemind_ext.averaging.allreduce.round_state import RoundContext
 from hivemind_ext.averaging.allreduce.sender import exchange_with_owner
@@ -167,7 +167,7 @@ class RoundRun:
         chunks = sum(num_chunks(spec.numel, chunk_numel(spec.dtype, chunk_bytes)) for spec in join.tensors)
         if chunks > MAX_LEARNED_CHUNKS:
             raise ProtocolError(f"the JOIN describes {chunks} chunks, more than the {MAX_LEARNED_CHUNKS} accepted")
-        layout = plan_round_layout(join.tensors, context.members, context.config.part_size_bytes)
+        layout = plan_layout(join.tensors, member_roles(context.members), chunk_bytes)  # the chunk size checked above
         if layout.fingerprint != join.fingerprint:
             raise ProtocolError("the JOIN's tensor description does not match its layout fingerprint")
         if context.tensor_infos is not None and len(context.tensor_infos) != len(layout.tensors):
