@@ -271,18 +271,6 @@ def test_a_group_too_small_at_commit_time_is_abandoned_and_everyone_retries() ->
     assert isinstance(follower.state, Looking) and follower.group is None
 
 
-def test_an_abandoned_leader_leaves_out_of_its_plans_only_members_that_never_answered() -> None:
-    # Ignoring members that went elsewhere too left two honest leftovers ignoring each other on the
-    # prefix's board for three request timeouts (1,000 simulated peers, 2% dying, seed 3: 67 polls).
-    cfg = config(min_group_size=2)
-    leading, board = _sealed_by_leader(cfg)
-    board = board_after(marker_write(member(1).key, "ab" * 16, 1_000.0), board=board)  # joined another group
-    board = board_after(marker_write(member(2).key, None, 1_000.0), board=board)  # left (fell back, retried)
-    result = step(leading, leading.group.commit_by, board, cfg)  # peer 3 never answered
-    assert result.group is None and isinstance(result.state, Looking)
-    assert [peer for peer, _ in result.state.ignored] == [member(3).peer_id]
-
-
 def test_an_all_auxiliary_group_commits_but_a_mixed_one_left_with_auxiliary_peers_is_abandoned() -> None:
     cfg = config()
     aux = [declaration(i, auxiliary=True, ready_at=NOW) for i in range(1, 4)]

@@ -56,8 +56,7 @@ class Looking:
 
     ``waiting_on``: the leader of the group this peer is planned into, and since when; ``ignored``:
     (peer id, until when) of peers that stayed planned leaders for ``request_timeout`` without
-    sealing, never answered a group this peer sealed (neither confirmed it nor visibly went elsewhere
-    or left), or sealed one and never committed it (dead, or
+    sealing, did not confirm a group this peer sealed, or sealed one and never committed it (dead, or
     a hostile peer that declares and never acts), left out of this peer's plans for
     ``IGNORE_TIMEOUTS`` request timeouts. Without it, a peer that keeps refreshing a declaration
     could hold a group back for ever (a Sybil that declares on every shard's board, for instance);
@@ -243,9 +242,10 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         members = ()
     commit = commit_write(Commit(group.group_id, tuple(m.key for m in members)), _record_expiration(now, config))
     if not members:
-        # whoever never answered (no marker: dead, or hostile) is left out of my next plans for a while;
-        # one that visibly went elsewhere or left is honest, and may be my best partner on its next attempt
-        silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in board.markers}
+        # whoever did not confirm is left out of my next plans (an honest one went to another group). Not
+        # only those without a marker: a hostile member writes markers too, and honest peers that kept it
+        # in their plans failed to regroup around a lying leader (test_matchmaking_dht, LyingDesk, 2 of 8)
+        silent = {m.peer_id for m in others if m.key not in confirmed}
         return _retry(state.declaration, now, config, (commit,), _ignore(state.ignored, silent, now, config))
     return Step(state, (commit,), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
 
