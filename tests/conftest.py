@@ -34,7 +34,7 @@ def rearm_the_timeout(item: pytest.Item) -> None:
     settings = pytest_timeout.get_env_settings(item.config)
     marker = item.get_closest_marker("timeout")
     if marker is not None and marker.args:
-        settings = settings._replace(timeout=float(marker.args[0]))
+        settings = pytest_timeout.Settings(float(marker.args[0]), *settings[1:])
     if settings.timeout and not settings.func_only:
         item.config.hook.pytest_timeout_set_timer(item=item, settings=settings)
 
