@@ -20,7 +20,8 @@ Each round also reads the byte counters of every link's ``tc tbf`` qdiscs (``Top
 the shaper charged the busiest link, at its rate, is the round's floor on these links ("link busy", and
 "bytes on the busiest link / limit's bytes" in the JSON line). It is above t_min because the shaper
 charges every segment's Ethernet, IP and TCP headers (~4.5% at 1448 payload bytes a segment), the
-acknowledgements of the other direction, the transport's framing and the DHT's traffic; the gap between
+acknowledgements of the other direction, the transport's framing and the DHT's traffic (the counters are
+read before and after ``run_round``, so the round's matchmaking traffic is in them too); the gap between
 a round's time and it is time the links were idle or partly used (start skew, pipeline stalls, the drain
 at the end, CPU scheduling on a busy machine).
 
