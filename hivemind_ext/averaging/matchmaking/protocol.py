@@ -24,6 +24,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     GroupInfo,
     MatchmakingConfig,
     Member,
+    PeerKey,
     SealedGroup,
     all_auxiliary,
     group_id_for,
@@ -53,8 +54,10 @@ STALE_LEFT = 1 / 3
 """A looking peer refreshes its declaration once less than ``REFRESH_FRACTION`` of its lifetime is
 left; one with less than this share left missed its refresh by a third of ``request_timeout``. A
 leader stops waiting for a member of its sealed group that shows such a declaration (it has not
-marked its attempt, so it is still looking, and not refreshing: dead or cut off), see
-:func:`_coming`. It waited until the group's commit time, one ``request_timeout`` after the seal
+marked its attempt, so it is still looking, and not refreshing: dead or cut off) and remembers it
+(:attr:`Leading.gone`: the declaration expires next, and a member with no record at all is waited
+for, since a member of a direct group that marked itself on the board but has not called yet shows
+none). It waited until the group's commit time, one ``request_timeout`` after the seal
 (1,000 simulated peers, 2% dying: groups sealed ahead with a member that had died were final 11-13
 polls after the scheduled time, against a goal of 10). Only the leader's wait uses it: planning
 with such a declaration as usual (session 7 stopped planning with it, and a DHT lagging past
@@ -107,6 +110,7 @@ class Leading:
     group: SealedGroup
     ignored: Ignored = ()  # carried over from Looking: see there
     full_until: float = -math.inf
+    gone: frozenset[PeerKey] = frozenset()  # members seen with a declaration that missed its refresh (STALE_LEFT)
 
 
 @dataclass(frozen=True)
@@ -289,14 +293,19 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         return replace(joined, writes=(abandoned, *joined.writes))
     others = [m for m in group.members if m != me]
     confirmed = {me.key} | {m.key for m in others if board.markers.get(m.key) == group.group_id}
-    waiting = any(_coming(m, group, me, now, board, config) for m in others)
+    # once seen not refreshing, a member is not waited for again: its declaration then expires, and a
+    # member without any record on the board is waited for (in a direct group it may be calling)
+    stale = {m.key for m in others if m.key not in board.markers and _stale(board.declarations.get(m.key), now, config)}
+    state = replace(state, gone=state.gone | stale)
+    waiting = any(m.key not in state.gone and _coming(m, group, me, now, board) for m in others)
     if waiting and now < group.commit_by:
         return Step(state, urgent=True)
     members = tuple(m for m in group.members if m.key in confirmed)
     # a group sealed with only auxiliary members may commit as such; a mixed group whose contributors
     # dropped out is abandoned (its auxiliary members look again, for a group that has work)
     viable = is_viable(members) or all_auxiliary(group.members)
-    short = len(members) < len(group.members) and now < state.full_until
+    # short: a full group that lost a live member before its scheduled time; a member gone dead does not count
+    short = now < state.full_until and any(m.key not in confirmed and m.key not in state.gone for m in others)
     if len(members) < config.min_group_size or not viable or short:
         if now < group.commit_by and any(_dropped(m, group, board) for m in others):
             return Step(state, urgent=True)  # rather than abandon: a member is on its way back (see _dropped)
@@ -350,18 +359,13 @@ def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingCo
     return Step(Following(joined, group, ignored), (confirm,), urgent=True)
 
 
-def _coming(
-    member: Member, group: SealedGroup, me: Member, now: float, board: Board, config: MatchmakingConfig
-) -> bool:
+def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: Board) -> bool:
     """Whether the leader ``me`` of ``group`` should still wait for ``member``: it has not marked its
-    attempt yet (it has not seen the group, or its marker is not visible yet) and does not show a
-    declaration that missed its refresh (:data:`STALE_LEFT`; a member of a direct group that marked
-    itself on the board but has not called shows neither, and is waited for), or it joined a group
+    attempt yet (it has not seen the group, or its marker is not visible yet), or it joined a group
     whose leader is a junior member of this one, which gives way to this group (see
     :func:`_step_leading`), so that the member looks for another group that lists it: this one."""
     if member.key not in board.markers:
-        declared = board.declarations.get(member.key)
-        return declared is None or not _stale(declared, now, config)
+        return True
     joined = board.markers[member.key]
     other = board.sealed.get(joined) if joined is not None and joined != group.group_id else None
     if other is None or not is_open(other, now, board):
@@ -369,9 +373,11 @@ def _coming(
     return other.leader.key in group.keys and other.leader.key > me.key
 
 
-def _stale(declaration: Declaration, now: float, config: MatchmakingConfig) -> bool:
+def _stale(declaration: Declaration | None, now: float, config: MatchmakingConfig) -> bool:
     """Whether a declaration missed its refresh (see :data:`STALE_LEFT`); one that reached its peer's
     deadline is not refreshed any more, and is not stale."""
+    if declaration is None:
+        return False
     left = declaration.expiration - now
     return declaration.expiration < declaration.deadline and left < STALE_LEFT * config.request_timeout
 

@@ -117,7 +117,7 @@ def simulate_round(
     max_lag: float = 0.0,
     spread: float = 0.0,
     dying: Sequence[str] = (),
-    planted: Sequence[tuple[str, Write]] = (),
+    planted: Sequence[tuple[str, Write] | tuple[str, Write, float]] = (),
     scheduled_time: float | None = None,
     until: float = 60.0,
     per_record: bool = False,
@@ -126,13 +126,14 @@ def simulate_round(
     and ``swarm_size=None``: one board, no rotation): each starts looking at a random time within
     ``spread`` seconds, with its scheduled time ``min_matchmaking_time`` later (or
     ``scheduled_time`` for all, as in synchronous training); ``dying`` peers die right after
-    declaring; ``planted`` records ``(key, write)`` lie in the DHT from the start; ``per_record``:
+    declaring; ``planted`` records ``(key, write)`` lie in the DHT from the start (``(key, write,
+    time)``: from that time on, as a hostile peer's later writes); ``per_record``:
     see :class:`LaggingDHT`. Runs until every live peer has a group or gave up at ``until`` (a
     peer in a group that is being formed finishes that first)."""
     rnd = random.Random(seed)
     dht = LaggingDHT(seed, max_lag, per_record)
-    for key, write in planted:
-        dht.store(key, write, 0.0)
+    for key, write, *at in planted:
+        dht.store(key, write, at[0] if at else 0.0)
     base = config.target_group_size
     depth = shard_depth(swarm_size, base) if base is not None else 0
     peers = []
