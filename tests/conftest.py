@@ -2,6 +2,8 @@ import os
 import time
 
 import pytest
+import pytest_timeout
+from swarm import revive_dead_peers
 
 # The whole suite takes 16-19 minutes on CI's 2 cores; CI gives up after 90. A run that has gone on for
 # this long is broken (a hung environment makes every later multi-peer test wait for its timeout, three
@@ -16,7 +18,35 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _started = time.monotonic()
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    stop_past_the_budget(item)
+    if getattr(item, "execution_count", 1) > 1:
+        rearm_the_timeout(item)
+
+
+def rearm_the_timeout(item: pytest.Item) -> None:
+    """pytest-timeout arms one timer for a test's whole protocol, reruns included, and cancels it when a
+    try fails (its ``pytest_exception_interact``): without this, a rerun (pytest-rerunfailures) runs with
+    no timeout at all, and one that hangs stalls the whole run (it did in a CI-like run: a DHT process of
+    a module's swarm died, the first try failed, the rerun waited for ever on the dead DHT). Each rerun
+    gets the test's timeout again, through pytest-timeout's own hook."""
+    settings = pytest_timeout.get_env_settings(item.config)
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        settings = pytest_timeout.Settings(float(marker.args[0]), *settings[1:])
+    if settings.timeout and not settings.func_only:
+        item.config.hook.pytest_timeout_set_timer(item=item, settings=settings)
+
+
+@pytest.fixture(autouse=True)
+def _revive_module_swarms() -> None:
+    """A DHT process of a module-scoped test swarm that died (seen under heavy load) is replaced before
+    the next test, so that one death fails one test instead of every later test of the module."""
+    revive_dead_peers()
+
+
+def stop_past_the_budget(item: pytest.Item) -> None:
     elapsed = time.monotonic() - _started
     if elapsed > SUITE_BUDGET_S:
         pytest.exit(

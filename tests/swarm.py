@@ -120,10 +120,15 @@ def addresses(dht: hivemind.DHT) -> list[str]:
     return [str(maddr) for maddr in within("the DHT's addresses", dht.get_visible_maddrs)]
 
 
+# the DHT lists of the local_swarm()s now running, with their client-mode indices (see revive_dead_peers)
+_RUNNING_SWARMS: list[tuple[list[hivemind.DHT], frozenset[int]]] = []
+
+
 @contextmanager
 def local_swarm(size: int, client_indices: Sequence[int] = ()) -> Iterator[list[hivemind.DHT]]:
     """``size`` connected DHTs, all bootstrapped from the first; those in ``client_indices`` in client mode."""
     dhts = [new_peer()]
+    entry = (dhts, frozenset(client_indices))
     try:
         initial_peers = addresses(dhts[0])
         for index in range(1, size):
@@ -131,7 +136,32 @@ def local_swarm(size: int, client_indices: Sequence[int] = ()) -> Iterator[list[
         for dht in dhts:
             dht.wait_until_ready(timeout=30)
         wait_until_connected(dhts)
+        _RUNNING_SWARMS.append(entry)
         yield dhts
     finally:
+        if entry in _RUNNING_SWARMS:
+            _RUNNING_SWARMS.remove(entry)
         for dht in dhts:
             dht.shutdown()
+
+
+def revive_dead_peers() -> list[int]:
+    """Replaces, in place, every DHT of a running :func:`local_swarm` whose process has died, with a new
+    one in the same mode that joins through a live peer, and waits until the swarm is connected again;
+    returns the replaced indices. Module-scoped swarms outlive tests: one dead DHT (a process that died
+    under load) would otherwise fail every later test of the module, each after waiting on it."""
+    replaced: list[int] = []
+    for dhts, client_indices in _RUNNING_SWARMS:
+        dead = [index for index, dht in enumerate(dhts) if not dht.is_alive()]
+        if not dead:
+            continue
+        servers = [dht for index, dht in enumerate(dhts) if index not in dead and index not in client_indices]
+        initial_peers = addresses(servers[0]) if servers else []
+        for index in dead:
+            dhts[index].shutdown()
+            dhts[index] = new_peer(initial_peers, client_mode=index in client_indices)
+            if not initial_peers:
+                initial_peers = addresses(dhts[index])
+        wait_until_connected(dhts)
+        replaced.extend(dead)
+    return replaced

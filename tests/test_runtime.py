@@ -18,8 +18,10 @@ import hivemind
 import pytest
 import torch
 from faulty_dht import FaultyDHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
-from swarm import local_swarm
+from swarm import local_swarm, new_peer, within
 
 from hivemind_ext.averaging import DecentralizedAverager
 from hivemind_ext.errors import (
@@ -30,6 +32,7 @@ from hivemind_ext.errors import (
 )
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.p2p import DHTCalls, PeerRuntime
+from hivemind_ext.p2p.dht_calls import add_validators
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 _names = itertools.count()
@@ -256,3 +259,35 @@ def test_a_dht_call_abandoned_mid_flight_leaves_the_dht_process_quiet(how: str) 
     )
     assert done.returncode == 0 and "served" in done.stdout, done.stderr
     assert "InvalidStateError" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+class RefusesEverything(RecordValidatorBase):
+    """A record validator that rejects every record (it is pickled into the DHT's process)."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        return False
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return record.value
+
+
+def test_adding_validators_has_a_deadline_and_works_on_a_live_dht(swarm) -> None:
+    """hivemind's ``dht.add_validators`` waits for ever on a hung or dead DHT process (an Optimizer's
+    constructor hung so in a test run); ours gives up after its timeout with a typed error."""
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match=r"add validators: no answer within 0\.3 s"):
+        add_validators(FaultyDHT(swarm[0], hang={"run_coroutine"}), [RSASignatureValidator()], timeout=0.3)
+    assert time.monotonic() - started < 2.0
+    with pytest.raises(PeerUnreachableError, match="add validators failed"):
+        add_validators(FaultyDHT(swarm[0], fail={"run_coroutine"}), [RSASignatureValidator()], timeout=5)
+
+    lone = new_peer()  # its own DHT: the validator must not change the module's swarm
+    try:
+        assert within("a store", lone.store, "before", 1, get_dht_time() + 60)
+        add_validators(lone, [RefusesEverything()], timeout=10)
+        assert not within("a store", lone.store, "after", 1, get_dht_time() + 60)
+    finally:
+        lone.shutdown()

@@ -1,5 +1,6 @@
-"""The guards tests/conftest.py puts around the whole run: an empty selection fails, and a run past its
-time budget stops with a summary instead of being cut off by CI."""
+"""The guards tests/conftest.py puts around the whole run: an empty selection fails, a run past its time
+budget stops with a summary instead of being cut off by CI, and a rerun keeps its test's timeout. Each
+case runs pytest on a small test file beside copies of conftest.py and the helpers it imports."""
 
 import os
 import subprocess
@@ -8,27 +9,52 @@ from pathlib import Path
 
 TESTS = Path(__file__).parent
 
+PASSES = """
+def test_passes():
+    pass
+"""
 
-def run_pytest(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--reruns", "0", *args]
-    return subprocess.run(
-        command, cwd=TESTS.parent, env={**os.environ, **env}, capture_output=True, text=True, timeout=90
-    )
+HANGS_ON_ITS_RERUN = """
+import pathlib
+import time
 
-
-def test_a_run_past_its_budget_stops_with_a_failure_and_names_where() -> None:
-    selection = ["tests/test_helpers.py", "-k", "wait_for"]
-    within_budget = run_pytest(*selection)
-    assert within_budget.returncode == 0, within_budget.stdout + within_budget.stderr
-    assert "2 passed" in within_budget.stdout
-
-    past_budget = run_pytest(*selection, HX_SUITE_BUDGET_S="0")
-    output = past_budget.stdout + past_budget.stderr
-    assert past_budget.returncode == 1, output
-    assert "past its budget of 0 s" in output and "test_wait_for_returns_the_first_truthy_value" in output
-    assert "passed" not in past_budget.stdout
+import pytest
 
 
-def test_an_empty_selection_fails_instead_of_exit_code_5() -> None:
-    empty = run_pytest("tests/test_helpers.py", "-k", "no_test_has_this_name")
-    assert empty.returncode == 1, empty.stdout + empty.stderr
+@pytest.mark.timeout(3)
+def test_fails_then_hangs():
+    tried = pathlib.Path(__file__).with_name("tried")
+    if not tried.exists():
+        tried.write_text("once")
+        raise AssertionError("the first try fails")
+    time.sleep(60)  # the rerun hangs
+"""
+
+
+def run_pytest(directory: Path, test_file: str, *args: str, **env: str) -> tuple[int, str]:
+    for helper in ("conftest.py", "swarm.py"):
+        (directory / helper).write_text((TESTS / helper).read_text())
+    (directory / "test_example.py").write_text(test_file)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "timeout_method=signal", *args]
+    run = subprocess.run(command, cwd=directory, env=env or None, capture_output=True, text=True, timeout=40)
+    return run.returncode, run.stdout + run.stderr
+
+
+def test_a_run_past_its_budget_stops_with_a_failure_and_names_where(tmp_path: Path) -> None:
+    returncode, output = run_pytest(tmp_path, PASSES, **os.environ, HX_SUITE_BUDGET_S="0")
+    assert returncode == 1, output
+    assert "past its budget of 0 s" in output and "stopping before test_example.py::test_passes" in output, output
+    assert "passed" not in output
+
+
+def test_an_empty_selection_fails_instead_of_exit_code_5(tmp_path: Path) -> None:
+    returncode, output = run_pytest(tmp_path, PASSES, "-k", "no_test_has_this_name")
+    assert returncode == 1 and "1 deselected" in output, output
+
+
+def test_a_rerun_that_hangs_is_cut_by_its_timeout(tmp_path: Path) -> None:
+    """pytest-timeout cancels its timer when a try fails, so without conftest's re-arming a rerun has no
+    timeout: this run then sleeps 60 s and the 40-s limit of run_pytest fails the test."""
+    returncode, output = run_pytest(tmp_path, HANGS_ON_ITS_RERUN, "--reruns", "1")
+    assert returncode == 1, output
+    assert "Timeout (>3.0s)" in output and "1 failed" in output and "1 rerun" in output, output

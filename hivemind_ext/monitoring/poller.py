@@ -20,6 +20,7 @@ from hivemind.utils import get_dht_time
 from hivemind_ext.errors import HivemindExtError
 from hivemind_ext.monitoring.records import metrics_key, parse_metrics_entries
 from hivemind_ext.monitoring.swarm_state import SwarmState
+from hivemind_ext.p2p.dht_calls import add_validators
 from hivemind_ext.p2p.runtime import PeerRuntime
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ _POLL_SECONDS = 0.1  # how often a read in flight checks for shutdown
 
 def install_validators(dht: Any) -> None:
     """Makes ``dht`` refuse records under an owner subkey that its owner did not sign."""
-    dht.add_validators([RSASignatureValidator()])
+    add_validators(dht, [RSASignatureValidator()])
 
 
 class MetricsPoller:

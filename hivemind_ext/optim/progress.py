@@ -61,6 +61,7 @@ from hivemind_ext.errors import (
 )
 from hivemind_ext.optim.fingerprint import RunFingerprint, swarm_fingerprint
 from hivemind_ext.optim.progress_rules import Counted, accepts_epoch, screen_progress
+from hivemind_ext.p2p.dht_calls import add_validators
 from hivemind_ext.p2p.runtime import PeerRuntime
 from hivemind_ext.p2p.signing import CachingSignatureValidator, default_signing_key, signs_with_key
 
@@ -582,7 +583,7 @@ class ProgressTracker:
         registered = default_signing_key(dht, private_key)  # the averagers on this DHT sign with it too
         signature_validator = CachingSignatureValidator(private_key if private_key is not None else registered)
         self._own_subkey = signature_validator.local_public_key
-        dht.add_validators([signature_validator, ProgressRecordValidator(self.training_progress_key)])
+        add_validators(dht, [signature_validator, ProgressRecordValidator(self.training_progress_key)])
         self._check_signing_key(signature_validator)
 
         self._lock = threading.Lock()  # guards every field below that the thread and the callers share

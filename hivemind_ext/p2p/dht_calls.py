@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from hivemind.utils.mpfuture import MPFuture
@@ -135,6 +136,30 @@ class DHTCalls:
             raise ClosedError(f"DHT {what}: the DHT is not running ({type(e).__name__}: {e})") from e
 
 
+def add_validators(dht: DHTLike | Any, validators: Iterable[Any], *, timeout: float = DEFAULT_DHT_TIMEOUT) -> None:
+    """``dht.add_validators(validators)``, from any thread, with a deadline: hivemind's own call waits for
+    ever on a DHT process that died or hangs (an Optimizer's constructor then never returned).
+    Raises :class:`DeadlineExceededError` after ``timeout`` seconds without an answer,
+    :class:`ClosedError` if the DHT refused the request, :class:`PeerUnreachableError` if it failed it."""
+    what = "add validators"
+    request = partial(_extend_validators, validators=list(validators))
+    future = DHTCalls._send(lambda: dht.run_coroutine(request, return_future=True), what)
+    try:
+        future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        _cancel(future)
+        raise DeadlineExceededError(
+            f"DHT {what}: no answer within {timeout} s (is the DHT's process alive? see its log)"
+        ) from None
+    except Exception as e:  # the DHT process reports its failures as exceptions of any type
+        raise PeerUnreachableError(f"DHT {what} failed: {type(e).__name__}: {e}") from e
+
+
+async def _extend_validators(_dht: Any, node: Any, validators: list[Any]) -> None:
+    """Runs inside the DHT process (what ``hivemind.DHT.add_validators`` runs there)."""
+    node.protocol.record_validator.extend(validators)
+
+
 def _awaitable(future: Any) -> Awaitable[Any]:
     """hivemind's MPFuture is awaitable; a plain ``concurrent.futures.Future`` (from a DHT-like
     test wrapper) is wrapped for the running loop."""
@@ -155,4 +180,4 @@ def _cancel(future: Any) -> None:
         cancel()
 
 
-__all__ = ["DEFAULT_DHT_TIMEOUT", "DHTCalls", "DHTLike"]
+__all__ = ["DEFAULT_DHT_TIMEOUT", "DHTCalls", "DHTLike", "add_validators"]
