@@ -21,7 +21,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     looking_peers,
     plan_groups,
 )
-from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Looking, fall_back, step
+from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Leading, Looking, fall_back, step
 from hivemind_ext.averaging.matchmaking.rotation import (
     DIGITS,
     Digits,
@@ -196,16 +196,13 @@ def test_a_peer_in_no_full_group_of_its_shard_soon_falls_back_to_the_coarser_sha
     assert step(read, soon, board_of(me, other), cfg).fall_back
     assert not step(Looking(me), soon, board_of(me, other), cfg).fall_back, "nor before it read the board enough"
     assert step(Looking(me), me.ready_at, board_of(me), cfg).fall_back, "alone at its scheduled time"
-    # no partial group in a shard, even at the scheduled time: partial groups deal fewer digits than the
-    # base and leave the next round's shards uneven (64 real peers: groups of 2-7 for rounds on end)
-    assert step(Looking(me), me.ready_at, board_of(me, other), cfg).fall_back, "2 fall back then, together"
+    assert isinstance(step(Looking(me), me.ready_at, board_of(me, other), cfg).state, Leading), "2 form a group then"
     assert not step(replace(read, arrived=soon - 0.1), soon, board_of(me), cfg).fall_back, "counts from arrival"
     coarse, state, left = fall_back(me, 20.0, cfg)
     assert state.arrived == 20.0
     assert coarse.shard_depth == 1 and coarse.group_key == "run.m4.2"
     assert state.declaration.prefix == "run.m4.2" and state.declaration.member.attempt != me.member.attempt
     assert state.declaration.declared_at == me.declared_at and left.value == {"state": "left"}
-    assert state.declaration.ready_at == 20.0 + cfg.request_timeout, "a fresh wait to meet the other shards' peers"
     root = config(target_group_size=4, digits=(0, 1, 2))
     mine = Declaration(**{**me.__dict__, "prefix": root.group_key})
     assert not step(Looking(mine), 20.0, board_of(mine), root).fall_back, "the prefix's board is the last"
@@ -253,27 +250,14 @@ def test_64_peers_on_an_8x8_grid_hold_the_global_mean_after_two_rounds_of_the_pr
     assert all(math.isclose(v, 31.5) for v in values.values())
 
 
-@pytest.mark.parametrize("seed", [0, 1, 4])
-def test_slow_reads_still_give_full_groups_and_the_global_mean_after_two_rounds(seed: int) -> None:
-    # 64 real peers on two saturated cores: reads took seconds, so shards were not full by the scheduled
-    # time and split into groups of 2-7 there (and peers that fell back met nobody before splitting
-    # again), and the next round's shards were uneven: 0.25-0.45 off the mean after 2 rounds. Here 16
-    # hashed peers in groups of 4: a warm-up round, then 2 rounds from fresh values. Seeds 0-11: 9 give
-    # full groups in all 3 rounds (the others: a peer that fell back last missed the group sealed on the
-    # prefix's board, see .rotation), 0 before the fix.
+def test_slow_reads_keep_members_in_agreement_and_cost_fewer_reads() -> None:
+    # 64 real peers on two saturated cores made 0-4 reads in the 5-12 s before their scheduled time
+    # (benchmarks/RESULTS.md, session 9): the simulation's read_time models that without a network.
     cfg = config(target_group_size=4, min_matchmaking_time=5.0, request_timeout=3.0)
-    coordinates = hashed_swarm(16, 4)
-    values = dict.fromkeys(coordinates, 0.0)
-    for round_index in range(3):
-        if round_index == 1:
-            values = {peer: float(i) for i, peer in enumerate(sorted(coordinates))}
-        result = simulate_round(
-            coordinates, cfg, swarm_size=16, seed=10 * seed + round_index, max_lag=0.5, spread=2.0, read_time=1.0
-        )
-        groups = committed(dict(result.groups))
-        assert sorted(g.size for g in groups) == [4] * 4, f"round {round_index}"
-        average_groups([(g.group_id, [m.peer_id for m in g.members]) for g in groups], values, coordinates, 4)
-    assert all(math.isclose(v, 7.5) for v in values.values())
+    fast = simulate_round(hashed_swarm(16, 4), cfg, swarm_size=16, seed=1, max_lag=0.5, spread=2.0)
+    slow = simulate_round(hashed_swarm(16, 4), cfg, swarm_size=16, seed=1, max_lag=0.5, spread=2.0, read_time=1.0)
+    committed(dict(slow.groups))
+    assert sum(slow.reads_per_peer.values()) < sum(fast.reads_per_peer.values()) / 3
 
 
 @settings(max_examples=8, deadline=None)

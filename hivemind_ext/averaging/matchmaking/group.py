@@ -20,11 +20,10 @@ The grouping rule (:func:`plan_groups`), applied to the peers that are looking f
   be too small to ever form a group (fewer than ``min_group_size``), nobody forms a group yet: more
   peers may come, and at the scheduled time everyone is split evenly instead, so no peer is left
   alone when that can be avoided.
-- Once any looking peer's scheduled time has come (on a board that is not a rotation's shard: a
-  shard forms only full groups, its other peers fall back, see :mod:`.rotation`), all looking peers
-  are split into the fewest groups of at most ``target_group_size`` whose sizes differ by at most
-  one and are all at least ``min_group_size``. Peers that cannot be placed are fewer than
-  ``min_group_size``: they could not have formed a group by themselves.
+- Once any looking peer's scheduled time has come, all looking peers are split into the fewest
+  groups of at most ``target_group_size`` whose sizes differ by at most one and are all at least
+  ``min_group_size``. Peers that cannot be placed are fewer than ``min_group_size``: they could
+  not have formed a group by themselves.
 - A group needs a member that accepts connections (not client mode) to own parts of the
   all-reduce, and a member that is not auxiliary to bring tensors; members are swapped between
   groups to satisfy this where possible, and groups that still cannot run are not formed. One
@@ -327,7 +326,7 @@ def plan_groups(now: float, looking: Sequence[Declaration], config: MatchmakingC
     if count == 0:
         return []
     target = config.target_group_size or count
-    if not config.shard_depth and any(declaration.ready_at <= now for declaration in ranked):  # shards: full only
+    if any(declaration.ready_at <= now for declaration in ranked):
         if count >= config.min_group_size and all_auxiliary(d.member for d in ranked):
             return [tuple(sorted(ranked[:target], key=_member_order))]  # nothing to average: let them finish
         groups = min(-(-count // target), count // config.min_group_size)

@@ -143,15 +143,12 @@ def withdrawal(state: State, now: float, config: MatchmakingConfig) -> tuple[Wri
 
 def fall_back(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[MatchmakingConfig, Looking, Write]:
     """A looking peer moves to the coarser shard (see :mod:`.rotation`): the configuration to use from
-    now on, its new state (a fresh attempt that keeps its seniority and deadline, declared by its next
-    step; its scheduled time is at least ``request_timeout`` away, so that the peers falling back from
-    other shards meet it there), and the marker that withdraws the old attempt, to store on the old
-    shard's board."""
+    now on, its new state (a fresh attempt that keeps its seniority and times, declared by its next
+    step), and the marker that withdraws the old attempt, to store on the old shard's board."""
     _, left = _mark(me, None, now, config)
     coarse = replace(config, shard_depth=coarser(config.shard_depth))
     member = replace(me.member, attempt=next_attempt(me.member.attempt))
-    ready_at = min(max(me.ready_at, now + config.request_timeout), me.deadline)
-    fresh = replace(me, member=member, prefix=coarse.group_key, expiration=-math.inf, ready_at=ready_at)
+    fresh = replace(me, member=member, prefix=coarse.group_key, expiration=-math.inf)
     return coarse, Looking(fresh, None, (), arrived=now), left
 
 

@@ -30,17 +30,11 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   there, so full groups form there at once too (waiting for a swarm that never comes held them
   until their scheduled time, and the leftovers then split into small groups).
 - **Falling back.** In a shard, full groups form as soon as their peers are looking, whatever is
-  left over, and only full groups: never a smaller one, not even at the scheduled time (a group of
-  ``k < M`` deals only ``k`` of the ``M`` digits, so the next round's shards are uneven and their
-  groups partial in turn; 64 real peers on two saturated cores, whose shards were not full by the
-  scheduled time, formed groups of 2-7 for rounds on end). A peer that is in no full group
-  ``SHARD_WAIT_POLLS`` poll intervals after it came to its shard's board (hashed coordinates fill
-  shards unevenly), or at its scheduled time, moves to the coarser shard, one digit shorter
-  (:func:`coarser`), with a fresh attempt and its seniority, down to the prefix's own board, where
-  it waits for a full group or its scheduled time. Its scheduled time there is at least one
-  ``request_timeout`` after it fell back: peers of other shards fall back at their own scheduled
-  times, and one that came first would otherwise split off at once with whoever it saw. Peers with
-  different estimates of ``N`` thus still meet: the finer ones fall back.
+  left over. A peer that is in no full group ``SHARD_WAIT_POLLS`` poll intervals after it came to
+  its shard's board (hashed coordinates fill shards unevenly), or at its scheduled time, moves to
+  the coarser shard, one digit shorter (:func:`coarser`), with a fresh attempt and its seniority,
+  down to the prefix's own board, where it waits for a full group or its scheduled time. Peers
+  with different estimates of ``N`` thus still meet: the finer ones fall back.
 
 Why it mixes: with ``N = M**d`` peers on a grid (peer ``i`` starting with the base-``M`` digits of
 ``i // M`` as its last ``d - 1`` digits), every shard of round 1 holds exactly one group of ``M``.
@@ -53,8 +47,7 @@ churn the shards hold unequal numbers of peers; groups still collect peers from 
 the round before, and the spread of the values falls geometrically (tested and measured in
 ``benchmarks/scale.py``). :func:`rotation_groups` is the rule applied to a whole swarm at once (the
 model that the tests and the benchmark simulate); the network reaches the same groups where every
-peer of a shard is looking when its scheduled time comes, and where the peers that fall back reach
-the coarser board within a ``request_timeout`` of each other.
+peer of a shard is looking when its scheduled time comes.
 
 Hostile peers: coordinates are self-declared. A declaration on a shard's board whose digits do not
 name that shard is ignored (:func:`in_shard`); a peer that lies about its digits only changes its
