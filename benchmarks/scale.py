@@ -32,8 +32,8 @@
    peer at 8, 16, 32 and 64 peers (simulated writers' signed records in a real DHT, a real
    ProgressTracker reading them); ``--progress-peers 8 16 32 64`` (not run by default).
 4. Digits training (:mod:`scale_training`, ``--digits 16``, not run by default): 16 peers in rotating
-   groups of ``--digits-group`` (4) against one group of 16, same samples: held-out loss and the
-   spread of parameters.
+   groups of ``--digits-group`` (4) against one group of 16, the same samples per peer and epoch
+   (the peers train in lockstep): held-out loss and the spread of parameters.
 
     python benchmarks/scale.py                                   # the default: < 10 min
     python benchmarks/scale.py --no-sim --peers 8 16 32 64 --big-peers      # rotating groups up to 64
@@ -555,9 +555,13 @@ def digits_results(peers: int, group: int, epochs: int) -> list[Result]:
     outcomes = compare_groups(peers=peers, group=group, epochs=epochs)
     grouped, whole = outcomes[f"groups of {group}"], outcomes["one group"]
     case = f"digits, {peers} peers, groups of {group} vs one group"
-    finished = min(grouped["epochs"][0], whole["epochs"][0]) >= epochs
-    ratio = grouped["loss"] / whole["loss"] if finished else None  # a case cut short compares nothing
-    print(f"{case}: held-out loss ratio {ratio} (goal <= 1.02; None: a case did not reach {epochs} epochs)")
+    # a case cut short, or samples that differ, compares nothing
+    complete = all(o["epochs"][0] >= epochs and o["samples"] == o["target_samples"] for o in (grouped, whole))
+    ratio = grouped["loss"] / whole["loss"] if complete else None
+    print(
+        f"{case}: held-out loss ratio {ratio} (goal <= 1.02; None: a case did not reach {epochs} epochs "
+        "with every peer's samples)"
+    )
     return [
         lower_is_better(case, "held-out loss, groups", grouped["loss"], None),
         lower_is_better(case, "held-out loss, one group", whole["loss"], None),

@@ -26,6 +26,7 @@ Commands run inside a namespace with :meth:`Topology.popen` / :meth:`Topology.ru
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import subprocess
@@ -117,6 +118,17 @@ class Topology:
         peer = self._peer(peer)
         for namespace, device in self._shaped_ends(peer):
             _shape(namespace, device, rate_mbit)
+
+    def link_bytes(self) -> list[tuple[int, int]]:
+        """Bytes each peer's shaped link has carried so far, ``(up, down)`` per peer in order: the byte
+        counters of its two ``tc tbf`` qdiscs, i.e. what the shaper charged the link (Ethernet, IP and
+        TCP headers of every segment, acknowledgements, the DHT's traffic), not only the payload. A
+        client peer's link is its router's, which carries nothing else. An unshaped direction reads 0."""
+        counters = []
+        for peer in self.peers:
+            upload, download = self._shaped_ends(peer)
+            counters.append((_qdisc_bytes(*upload), _qdisc_bytes(*download)))
+        return counters
 
     # building
 
@@ -248,6 +260,16 @@ def _shape(namespace: str, device: str, rate_mbit: float | None) -> None:
     burst = max(32 * 1024, int(rate_bytes / 100))
     _in(namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
         "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms")  # fmt: skip
+
+
+def _qdisc_bytes(namespace: str, device: str) -> int:
+    """What the ``tbf`` qdisc on ``device`` has sent so far, in bytes (GSO segments counted with their
+    headers, as the shaper charges them); 0 where the device is not shaped."""
+    listed = subprocess.run(
+        ["ip", "netns", "exec", namespace, "tc", "-s", "-j", "qdisc", "show", "dev", device],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    return sum(int(qdisc.get("bytes", 0)) for qdisc in json.loads(listed) if qdisc.get("kind") == "tbf")
 
 
 def _veth(name: str, namespace_a: str, name_a: str, namespace_b: str, name_b: str) -> None:

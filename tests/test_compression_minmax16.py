@@ -240,3 +240,27 @@ def test_extreme_but_valid_params_decode_to_finite_values() -> None:
     codes = torch.tensor([0, 1, 65535], dtype=torch.int32).to(torch.uint16)
     decoded = decompress(CompressedTensor.from_wire(header, codes.view(torch.uint8).numpy().tobytes()))
     assert torch.isfinite(decoded).all() and decoded[0] == 0
+
+
+def late_decision_sample() -> torch.Tensor:
+    """Three quarters integers in [-1000, 1000] (float16 holds them exactly), then integers + 0.3
+    (float16 is off by up to 0.25 there): float16's error is zero over the first slices it sums."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randint(-1000, 1001, (200_000,), generator=generator).float()
+    x[150_000:] += 0.3
+    return x
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "late"])
+def test_the_choice_is_the_exact_comparison_of_squared_errors(kind: str) -> None:
+    """float16's error is summed only until it exceeds minmax16's (see the module docstring): the
+    scheme must still be the one the whole tensor's exact errors pick, however late that shows."""
+    x = late_decision_sample() if kind == "late" else sample(kind)
+    message = CODEC.compress(x)
+    float16_error = float(torch.sum((x.half().double() - x.double()) ** 2))
+    lo, hi = x.min().item(), x.max().item()
+    step = torch.tensor((hi - lo) / 65535, dtype=torch.float32).item()
+    minmax16_wins = x.numel() * step * step / 12 < float16_error  # Inf where float16 overflows ("huge")
+    assert message.params["scheme"] == ("minmax16" if minmax16_wins else "float16")
+    if kind == "late":
+        assert minmax16_wins and float(torch.sum((x[:150_000].half().double() - x[:150_000].double()) ** 2)) == 0

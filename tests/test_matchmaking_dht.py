@@ -19,7 +19,7 @@ import hivemind
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from swarm import addresses, local_swarm, new_peer, new_test_loop
 
 from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
@@ -456,6 +456,37 @@ def test_the_leader_refuses_forged_replayed_and_oversized_confirmations(swarm, n
     assert refused == 4
     assert commit.members == (members[0].key, members[1].key)
     assert late.header["members"] == [list(members[0].key), list(members[1].key)]
+
+
+@pytest.mark.timeout(60)
+def test_the_leader_answers_the_commit_of_a_large_group(swarm, network) -> None:
+    """A commit lists every member (~75 bytes each), a confirmation only one: the leader's answer for
+    a group of 64 (~5 kB) must go out although a confirmation it accepts is at most 1 kB (before, the
+    answer was held to the request's limit, and every group of more than 13 failed its confirmations)."""
+    leader, member = by_peer_id(swarm, (0, 1))
+    base58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+    strangers = ["12D3KooW" + "".join(secrets.choice(base58) for _ in range(44)) for _ in range(62)]
+    members = tuple(
+        Member(peer_id, f"{i:016x}")
+        for i, peer_id in enumerate([swarm[leader].peer_id.to_base58(), swarm[member].peer_id.to_base58(), *strangers])
+    )
+    sealed = SealedGroup(group_id_for(members), members, get_dht_time() + 5, direct=True)
+
+    async def scenario():
+        scopes, (desk, member_desk) = await _desks(network, (leader, member), {})
+        try:
+            desk.open(sealed)
+            honest = asyncio.create_task(member_desk.confirm(sealed, members[1].key, timeout=5))
+            await _until_true(lambda: bool(desk.confirmed(sealed.group_id)))
+            desk.settle(Commit(sealed.group_id, tuple(m.key for m in members)))
+            return await honest
+        finally:
+            for scope in scopes:
+                await scope.shutdown()
+
+    commit = network.run(scenario())
+    assert commit.members == tuple(m.key for m in members)
+    assert len(MSGPackSerializer.dumps(commit_answer(commit))) > 4096
 
 
 async def _until_true(condition, timeout: float = 10.0) -> None:

@@ -43,6 +43,7 @@ def start_server(topology: Topology, peer: int) -> subprocess.Popen:
 def test_a_shaped_link_runs_at_its_rate_and_everything_is_removed_afterwards():
     with Topology([Link(rate_mbit=20), Link(rate_mbit=None)], prefix="hxt") as topology:
         server = start_server(topology, 1)
+        before = topology.link_bytes()
         try:
             started = time.monotonic()
             sent = send(topology, 0, topology.peers[1].address, 2_500_000)
@@ -52,6 +53,13 @@ def test_a_shaped_link_runs_at_its_rate_and_everything_is_removed_afterwards():
             assert int(server.stdout.read().split()[-1]) == 2_500_000
         finally:
             server.kill()
+        after = topology.link_bytes()
+        up, acknowledgements = after[0][0] - before[0][0], after[0][1] - before[0][1]
+        # the shaper charged the payload plus its headers (~4.5% at 1448 payload bytes a segment),
+        # and the sender's (shaped) download carried only acknowledgements
+        assert 2_500_000 * 1.03 < up < 2_500_000 * 1.1, up
+        assert 0 < acknowledgements < 2_500_000 * 0.05, acknowledgements
+        assert after[1] == before[1] == (0, 0)  # peer 1's link is not shaped
         # 20 Mbit/s is 2.5 MB/s: 2.5 MB take ~1 s (plus the tbf bucket); unshaped loopback-speed takes ~10 ms
         assert 0.8 < elapsed < 3.0, elapsed
         topology.set_rate(0, 200)

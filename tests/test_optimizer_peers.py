@@ -425,6 +425,8 @@ def test_client_mode_peers_contribute_without_serving() -> None:
             assert opt.state_averager.client_mode and not opt.state_averager.allow_state_sharing
             assert opt.state_averager.donor is None  # it registers no handler and advertises nothing
         assert all(not t.opt.client_mode and t.opt.state_averager.donor.serving for t in trainers[:2])
+        # nobody downloads a gradient averager's state: it does not advertise one
+        assert not any(t.opt.grad_averager.allow_state_sharing for t in trainers)
 
         group_sizes: list[tuple[int, int]] = []
 

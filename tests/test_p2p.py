@@ -845,6 +845,8 @@ def test_declared_sizes_are_checked_against_limits() -> None:
         Limits(max_payload_bytes=-1)
     with pytest.raises(ConfigurationError):
         Limits(max_header_bytes=0)
+    with pytest.raises(ConfigurationError):
+        HandlerConfig(answer_limits={"max_header_bytes": 10})  # type: ignore[arg-type]
 
 
 @async_test

@@ -18,6 +18,7 @@ from hivemind_ext.compression.base import (
     CompressionInfo,
     TensorRole,
     decompress,
+    decompress_into,
 )
 from hivemind_ext.compression.error_feedback import ErrorFeedback
 from hivemind_ext.compression.floating import (
@@ -63,4 +64,5 @@ __all__ = [
     "Uniform8BitQuantization",
     "as_codec",
     "decompress",
+    "decompress_into",
 ]

@@ -222,6 +222,9 @@ class Codec(ABC):
 
     codec_id: ClassVar[str | None] = None
     supported_dtypes: ClassVar[frozenset[torch.dtype]] = FLOAT_DTYPES
+    # True where ``_decode`` takes ``out=``: it then writes the decoded values into that tensor (1-D,
+    # contiguous, of the message's dtype and size) instead of allocating one (see decompress_into)
+    decodes_into_output: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -294,7 +297,8 @@ class Codec(ABC):
     @classmethod
     @abstractmethod
     def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
-        """Returns a 1-D tensor of ``numel`` elements of ``dtype`` on payload's device."""
+        """Returns a 1-D tensor of ``numel`` elements of ``dtype`` on payload's device (where the class
+        sets ``decodes_into_output``, it also takes ``out=``, such a tensor to write into and return)."""
 
     def decompress(self, message: CompressedTensor, device: torch.device | str | None = None) -> torch.Tensor:
         """Decodes any registered codec's message (dispatching on its codec id)."""
@@ -324,6 +328,39 @@ def decompress(message: CompressedTensor, device: torch.device | str | None = No
 
     Only the compressed payload is moved to the device; decoding runs there.
     """
+    codec_cls, payload = _checked_payload(message, device)
+    flat = codec_cls._decode(payload, message.numel, message.dtype, message.params)
+    if not message.writable and flat.numel() > 0 and _shares_memory(flat, payload):
+        flat = flat.clone()
+    return flat.view(message.shape)
+
+
+def decompress_into(message: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
+    """Decodes ``message`` into ``out`` (contiguous, on any device, with the message's number of
+    elements; a dtype other than the message's is converted to) and returns ``out``.
+
+    Where the codec decodes into a given tensor (``decodes_into_output``) and the dtypes match, the
+    values are written straight into ``out``: no decoded temporary is allocated (page-faulted) and
+    copied, which saves one pass over the values wherever a caller keeps them in a tensor of its own
+    (the all-reduce's output chunks). ``out`` must not overlap the payload.
+    """
+    if not isinstance(out, torch.Tensor) or not out.is_contiguous():
+        raise CompressionError("decompress_into needs a contiguous output tensor")
+    codec_cls, payload = _checked_payload(message, out.device)
+    if out.numel() != message.numel:
+        raise CompressionError(f"an output of {out.numel()} elements for a message of {message.numel}")
+    flat = out.view(-1)
+    if codec_cls.decodes_into_output and out.dtype == message.dtype:
+        codec_cls._decode(payload, message.numel, message.dtype, message.params, out=flat)
+    else:
+        flat.copy_(codec_cls._decode(payload, message.numel, message.dtype, message.params))
+    return out
+
+
+def _checked_payload(
+    message: CompressedTensor, device: torch.device | str | None
+) -> tuple[type[Codec], torch.Tensor]:
+    """The message's codec class and its payload on ``device``, once its params and size are valid."""
     if not isinstance(message, CompressedTensor):
         raise CompressionError(f"expected a CompressedTensor, got {type(message).__name__}")
     codec_cls = CODECS.get(message.codec)
@@ -343,10 +380,7 @@ def decompress(message: CompressedTensor, device: torch.device | str | None = No
         )
     if device is not None and torch.device(device) != payload.device:
         payload = payload.to(device, non_blocking=payload.is_pinned())
-    flat = codec_cls._decode(payload, numel, dtype, params)
-    if not message.writable and flat.numel() > 0 and _shares_memory(flat, payload):
-        flat = flat.clone()
-    return flat.view(message.shape)
+    return codec_cls, payload
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -79,6 +79,7 @@ class Float16Compression(Codec):
 
     codec_id = "float16"
     supported_dtypes = frozenset({torch.float32, torch.float64, torch.float16})
+    decodes_into_output = True
 
     def _encode(self, flat: torch.Tensor, allow_inplace: bool) -> tuple[torch.Tensor, dict[str, Any]]:
         return to_float16_clamped(flat).view(torch.uint8), {}
@@ -88,8 +89,16 @@ class Float16Compression(Codec):
         return 2 * numel
 
     @classmethod
-    def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
-        return view_bytes_as(payload, torch.float16).to(dtype)
+    def _decode(
+        cls,
+        payload: torch.Tensor,
+        numel: int,
+        dtype: torch.dtype,
+        params: Mapping[str, Any],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        halves = view_bytes_as(payload, torch.float16)
+        return halves.to(dtype) if out is None else out.copy_(halves)
 
 
 class BFloat16Compression(Codec):

@@ -107,14 +107,15 @@ def decode_in_tiles(
     granule: int,
     device: torch.device,
     decode_tile: Callable[[torch.Tensor, int], None],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Allocates a decoded tensor and fills it tile by tile, each tile while it is in cache.
+    """Fills ``out`` (default: a new tensor) with the decoded values tile by tile, each tile while it is in cache.
 
     ``decode_tile(values, start)`` writes elements start .. start + len(values) of the result into
     ``values`` (of ``work_dtype``): the output itself when it has that dtype, else a scratch tile that
     is then cast into the output (no full-size temporary in float32 for a float16 result).
     """
-    out = new_output(numel, dtype, device)
+    out = new_output(numel, dtype, device) if out is None else out
     tiles = tile_slices(numel, granule, device)
     scratch = None if dtype == work_dtype else torch.empty(tiles[0].stop, dtype=work_dtype, device=device)
     for tile in tiles:
@@ -176,6 +177,8 @@ class _MinMaxQuantization(Codec):
     tensors and float32 otherwise, each section starting at a multiple of 8 bytes.
     """
 
+    decodes_into_output = True
+
     LEVELS: ClassVar[int]
     BITS: ClassVar[int]
     DEFAULT_CHUNK_SIZE: ClassVar[int]
@@ -236,7 +239,14 @@ class _MinMaxQuantization(Codec):
         those values in level units plus 0.5, in [0.5, LEVELS + 0.5], and may be overwritten."""
 
     @classmethod
-    def _decode(cls, payload: torch.Tensor, numel: int, dtype: torch.dtype, params: Mapping[str, Any]) -> torch.Tensor:
+    def _decode(
+        cls,
+        payload: torch.Tensor,
+        numel: int,
+        dtype: torch.dtype,
+        params: Mapping[str, Any],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         chunk = params["chunk_size"]
         chunks = num_chunks(numel, chunk)
         stats, stats_nbytes = stats_dtype(dtype), cls._stats_nbytes(numel, dtype, chunk)
@@ -258,7 +268,7 @@ class _MinMaxQuantization(Codec):
             if not range_finite:
                 values.mul_(2)
 
-        return decode_in_tiles(numel, dtype, stats, cls._granule(chunk), payload.device, decode_tile)
+        return decode_in_tiles(numel, dtype, stats, cls._granule(chunk), payload.device, decode_tile, out)
 
     @staticmethod
     def _granule(chunk_size: int) -> int:

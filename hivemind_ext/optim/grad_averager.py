@@ -6,7 +6,9 @@ parameters. ``accumulate_grads_(batch_size)`` adds the model's current gradients
 writes the local mean gradient into the buffers, averages them with the group (each peer weighted
 by its samples), and leaves the result in the buffers, where ``averaged_gradients()`` reads it.
 Usable with the Optimizer's ``grad_averager_factory``: ``factory(parameters, dht=..., prefix=...,
-reuse_grad_buffers=..., start=..., **averager_opts)`` must return one of these.
+reuse_grad_buffers=..., start=..., allow_state_sharing=False, **averager_opts)`` must return one of
+these (the Optimizer downloads the state averager's state, never this one's, so it is not advertised
+unless ``averager_opts`` asks for it).
 """
 
 from __future__ import annotations

@@ -323,7 +323,13 @@ class RPCServer:
         """One incoming libp2p stream, from adoption by this server to close; never raises but
         CancelledError (asyncio's stream server, which started this task, would only log it)."""
         if self._adopt_current_task(writer):
-            stream = FramedStream(reader, writer, route.config.limits, self.receive_budget.account(info.peer_id))
+            stream = FramedStream(
+                reader,
+                writer,
+                route.config.limits,
+                self.receive_budget.account(info.peer_id),
+                send_limits=route.config.answer_limits,
+            )
             await self._serve_adopted(route, info.peer_id, stream, "libp2p")
 
     def _adopt_current_task(self, writer: asyncio.StreamWriter) -> bool:
@@ -376,7 +382,13 @@ class RPCServer:
             return
         if server is not self and not server._adopt_current_task(writer):  # its shutdown must cancel the call
             return
-        stream = FramedStream(reader, writer, route.config.limits, server.receive_budget.account(peer_id))
+        stream = FramedStream(
+            reader,
+            writer,
+            route.config.limits,
+            server.receive_budget.account(peer_id),
+            send_limits=route.config.answer_limits,
+        )
         sealed = not self._tickets.config.plaintext
         await server._serve_adopted(route, peer_id, stream, "direct" if sealed else "direct-plaintext")
 

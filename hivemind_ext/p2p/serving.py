@@ -59,7 +59,11 @@ StreamHandler = Callable[[AsyncIterator[Message], RPCContext], AsyncIterator[Mes
 class HandlerConfig:
     """Per-handler limits.
 
-    :param limits: largest request the handler accepts, and largest response it may send
+    :param limits: largest request the handler accepts, and largest response it may send unless
+      ``answer_limits`` is given
+    :param answer_limits: largest response it may send, where answers can be larger than what the
+      handler should accept (a matchmaking leader's commit lists every member of a group; the
+      confirmation that asks for it is a few dozen bytes)
     :param max_timeout: a caller may ask for a longer timeout, but the handler is stopped after this
     :param open_timeout: a new stream must send its OPEN frame within this time (a peer that opens
       streams and stays silent ties up nothing for longer)
@@ -71,6 +75,7 @@ class HandlerConfig:
     """
 
     limits: Limits = dataclasses.field(default_factory=Limits)
+    answer_limits: Limits | None = None
     max_timeout: float = 300.0
     open_timeout: float = 10.0
     max_concurrent_calls: int = 256
@@ -79,6 +84,8 @@ class HandlerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.limits, Limits):
             raise ConfigurationError(f"limits must be a Limits, got {type(self.limits).__name__}")
+        if self.answer_limits is not None and not isinstance(self.answer_limits, Limits):
+            raise ConfigurationError(f"answer_limits must be a Limits, got {type(self.answer_limits).__name__}")
         check_durations(self, "max_timeout", "open_timeout")
         for name in ("max_concurrent_calls", "max_calls_per_peer"):
             value = getattr(self, name)
@@ -222,7 +229,7 @@ def _encode_response(response: Any, stream: FramedStream) -> tuple[bytes, memory
         if not isinstance(response, Message):
             raise TypeError(f"handler produced {type(response).__name__}, not a Message")
         payload = response.payload_view()
-        return encode_frame_head(FrameKind.MESSAGE, response.header, payload.nbytes, stream.limits), payload
+        return encode_frame_head(FrameKind.MESSAGE, response.header, payload.nbytes, stream.send_limits), payload
     except (TypeError, ProtocolError) as e:
         raise _HandlerFailed(e) from e
 

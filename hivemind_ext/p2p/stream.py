@@ -58,10 +58,16 @@ class FramedStream:
     """Frames over one (reader, writer) pair: a libp2p stream opened through the daemon, or a direct TCP stream."""
 
     def __init__(
-        self, reader: ByteReader, writer: asyncio.StreamWriter, limits: Limits, account: ReceiveAccount | None = None
+        self,
+        reader: ByteReader,
+        writer: asyncio.StreamWriter,
+        limits: Limits,
+        account: ReceiveAccount | None = None,
+        send_limits: Limits | None = None,
     ) -> None:
         tune_transport(writer)
         self.reader, self.writer, self.limits = reader, writer, limits
+        self.send_limits = send_limits if send_limits is not None else limits  # what this side may send
         # what incomplete payloads of this stream hold, charged to the sender's budget (server side)
         self.account = account if account is not None else ReceiveAccount()
         self._send_lock = asyncio.Lock()
@@ -80,7 +86,7 @@ class FramedStream:
         """Writes one frame. Size and type checks happen before the first byte is written, so a
         ProtocolError (or MessageTooLargeError) from here leaves the stream intact. ``idle_timeout``:
         see :func:`~hivemind_ext.p2p.framing.write_frame`."""
-        head = encode_frame_head(kind, header, payload.nbytes, self.limits)
+        head = encode_frame_head(kind, header, payload.nbytes, self.send_limits)
         await self.send_encoded(head, payload, deadline, idle_timeout)
         if kind in (FrameKind.END, FrameKind.ERROR):
             self._finished_sending = True

@@ -52,7 +52,7 @@ from hivemind_ext.averaging.allreduce.wire import (
     result_message,
 )
 from hivemind_ext.averaging.tensor_layout import ChunkSpec
-from hivemind_ext.compression import CompressedTensor, NoCompression, decompress
+from hivemind_ext.compression import CompressedTensor, NoCompression, decompress_into
 from hivemind_ext.errors import (
     AllreduceError,
     DeadlineExceededError,
@@ -359,7 +359,9 @@ def _discard_outcome(future: asyncio.Future[object]) -> None:
 
 
 def _write_decoded(context: RoundContext, chunk: ChunkSpec, message: CompressedTensor) -> None:
-    context.tensors.write(chunk, decompress(message, device=context.tensors.device))
+    output = context.tensors.output_chunk(chunk)
+    if output is not None:  # the owner's own copy of the average it sends: decoded straight into the output
+        decompress_into(message, output)
 
 
 def _payload_bytes(message: Message) -> int:

@@ -84,6 +84,10 @@ class RoundTensors:
     def input_chunk(self, chunk: ChunkSpec) -> torch.Tensor:
         return self.inputs[chunk.tensor][chunk.start : chunk.end]
 
+    def output_chunk(self, chunk: ChunkSpec) -> torch.Tensor | None:
+        """Where the round's result for ``chunk`` goes (None for a member without tensors)."""
+        return self.outputs[chunk.tensor][chunk.start : chunk.end] if self.outputs else None
+
     def write(self, chunk: ChunkSpec, values: torch.Tensor) -> None:
         if self.outputs:
             self.outputs[chunk.tensor][chunk.start : chunk.end].copy_(values)

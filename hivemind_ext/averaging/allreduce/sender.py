@@ -43,6 +43,7 @@ from hivemind_ext.compression import (
     Float16OrMinMax16,
     NoCompression,
     decompress,
+    decompress_into,
 )
 from hivemind_ext.errors import AllreduceError, CompressionError, HivemindExtError, ProtocolError
 from hivemind_ext.p2p import ClientStream, Message, RPCClient, TaskOwner, now
@@ -181,16 +182,22 @@ async def _receive(context: RoundContext, stream: ClientStream) -> Message:
 
 
 def _decode_into_output(context: RoundContext, chunk: ChunkSpec, message: CompressedTensor) -> None:
-    """Validates an averaged chunk and writes it into the output tensor (runs in a worker thread)."""
+    """Decodes an averaged chunk straight into the output tensor, then validates it there (runs in a
+    worker thread). Invalid values written meanwhile do no harm: a failed part is restored from the
+    inputs (``keep_local``) before the round returns."""
     if message.shape != (chunk.numel,) or not message.dtype.is_floating_point:
         raise ProtocolError(f"averaged chunk of shape {message.shape} {message.dtype}, expected ({chunk.numel},)")
+    output = context.tensors.output_chunk(chunk)
     try:
-        values = decompress(message, device=context.tensors.device)
+        values = (
+            decompress(message, device=context.tensors.device)
+            if output is None
+            else decompress_into(message, output)  # no decoded temporary to copy: one pass less
+        )
     except CompressionError as e:
         raise ProtocolError(f"undecodable averaged chunk: {e}") from e
-    if not all_finite(values):
+    if not all_finite(values):  # the chunk was just written: still in cache
         raise ProtocolError("averaged chunk holds NaN or Inf")
-    context.tensors.write(chunk, values)
 
 
 def _layout(context: RoundContext) -> RoundLayout:

@@ -21,8 +21,9 @@ and lists only members of the seal, in the seal's order; anything else is a :cla
 and the member leaves that leader as it leaves a dead one (:func:`.protocol.leader_failed`). Every
 wait is bounded: the leader answers at its commit time at the latest, and the member gives up one
 ``request_timeout`` after it (a leader that never answers), then falls back to reading the board.
-Calls are small (:data:`HANDLER_CONFIG`), few per peer at a time, and a refusal is an answer, not a
-handler failure, so a hostile caller cannot flood the leader's logs.
+Requests are small (:data:`HANDLER_CONFIG`; the answer may list up to ``MAX_GROUP_MEMBERS``), few
+per peer at a time, and a refusal is an answer, not a handler failure, so a hostile caller cannot
+flood the leader's logs.
 """
 
 from __future__ import annotations
@@ -48,14 +49,16 @@ from hivemind_ext.p2p.serving import HandlerConfig, RPCContext
 logger = logging.getLogger(__name__)
 
 HANDLER = "matchmaking_confirm"
+# the commit lists every member (~75 bytes each: a group of 16 is 1.2 kB), the request only one
+ANSWER_LIMITS = Limits(max_header_bytes=MAX_GROUP_MEMBERS * 128, max_payload_bytes=0, idle_timeout=5.0)
 HANDLER_CONFIG = HandlerConfig(
     limits=Limits(max_header_bytes=1024, max_payload_bytes=0, idle_timeout=5.0),
+    answer_limits=ANSWER_LIMITS,
     max_timeout=120.0,
     open_timeout=5.0,
     max_concurrent_calls=256,
     max_calls_per_peer=4,
 )
-ANSWER_LIMITS = Limits(max_header_bytes=MAX_GROUP_MEMBERS * 128, max_payload_bytes=0, idle_timeout=5.0)
 RECENT_COMMITS = 64  # settled groups whose commit a late caller still gets (it then looks again)
 REFUSAL = "error"
 

@@ -95,6 +95,9 @@ class SyncGradientsImpl(AlgorithmImpl):
         config = context.config
         self.state_rounds = StateRounds(context)
         factory = context.grad_averager_factory or GradientAverager
+        # newcomers download the state averager's state, never accumulated gradients: a gradient
+        # averager that served them would only advertise itself in the DHT at every change
+        options = {"allow_state_sharing": False, **context.averager_options}
         try:
             averager = factory(
                 context.params,
@@ -103,7 +106,7 @@ class SyncGradientsImpl(AlgorithmImpl):
                 reuse_grad_buffers=config.reuse_grad_buffers,
                 compression=context.grad_compression,
                 start=True,
-                **context.averager_options,
+                **options,
             )
         except TypeError as e:
             raise ConfigurationError(f"averager_opts: {e}") from e
