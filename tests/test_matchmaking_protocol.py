@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from matchmaking_builders import board_of, config, declaration, member
+from matchmaking_builders import board_of, config, declaration, member, peer
 
 from hivemind_ext.averaging.matchmaking.board import (
     Write,
@@ -29,6 +29,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     group_id_for,
 )
 from hivemind_ext.averaging.matchmaking.protocol import (
+    DEPUTY_FRACTION,
     EAGER_POLLS,
     RECORD_LIFETIME,
     Following,
@@ -309,6 +310,90 @@ def test_a_member_whose_leader_vanished_leaves_then_looks_again() -> None:
     result = step(following, leading.group.commit_by + cfg.request_timeout + 0.01, board, cfg)
     assert isinstance(result.state, Looking)
     assert [w.value["state"] for w in result.writes] == ["left", "looking"]
+
+
+def test_a_member_seals_its_planned_group_without_a_leader_that_stays_silent() -> None:
+    # A planned leader that died after declaring held its group until its declaration expired (one
+    # request timeout; 1,000 simulated peers, 2% dying: 12-13 polls to group everyone, goal 10).
+    cfg = config()
+    board = board_of(*(declaration(i) for i in range(4)))  # one full group, led by peer 0
+    overdue = DEPUTY_FRACTION * cfg.request_timeout
+    for position, waited, seals in [(1, 0.9, False), (1, 1.1, True), (2, 1.9, False), (2, 2.1, True)]:
+        looking = replace(declared(position), waiting_on=(peer(0), NOW - waited * overdue))
+        result = step(looking, NOW, board, cfg)
+        if not seals:
+            assert isinstance(result.state, Looking) and result.urgent
+            continue
+        assert isinstance(result.state, Leading), (position, waited)
+        assert result.state.group.members == tuple(member(i) for i in range(position, 4))  # the rest, as planned
+    # a rest too small to run is no group: the member keeps waiting (its shard's fall-back takes over there)
+    pair = board_of(declaration(0, ready_at=NOW))
+    alone = replace(declared(1, ready_at=NOW), waiting_on=(peer(0), NOW - 10 * overdue))
+    assert isinstance(step(alone, NOW, pair, cfg).state, Looking)
+
+
+def _stale_board(group: SealedGroup, stale: int, marked: tuple[int, ...], now: float, cfg: MatchmakingConfig) -> Board:
+    """The leader's read: ``marked`` members confirmed, ``stale`` shows a declaration it stopped refreshing."""
+    left = 0.9 * cfg.request_timeout / 3  # less than a third of its lifetime: it missed its refresh
+    return Board(
+        declarations={member(stale).key: declaration(stale, expiration=now + left)},
+        markers={member(i).key: group.group_id for i in marked},
+        sealed={group.group_id: group},
+    )
+
+
+def test_a_leader_stops_waiting_for_a_member_whose_declaration_missed_its_refresh() -> None:
+    # It waited until the commit time (one request timeout after the seal): a group sealed ahead with a
+    # member that had died was final 11-13 polls after the scheduled time (1,000 simulated peers, 2% dying).
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg, count=4, ready_at=NOW)  # sealed at the scheduled time: not full
+    group, now = leading.group, NOW + 0.05
+    fresh_board = replace(_stale_board(group, 3, (1, 2), now, cfg), declarations={member(3).key: declaration(3)})
+    assert step(leading, now, fresh_board, cfg).group is None  # a member that refreshes is waited for
+    result = step(leading, now, _stale_board(group, 3, (1, 2), now, cfg), cfg)
+    assert result.group is not None and result.group.members == tuple(member(i) for i in range(3))
+    # once seen stale it stays gone, though its declaration then expires (no record is waited for: a
+    # member of a direct group that marked itself but has not called yet shows none)
+    waiting = step(leading, now, _stale_board(group, 3, (1,), now, cfg), cfg)
+    assert waiting.group is None and member(3).key in waiting.state.gone
+    later = Board(markers={member(i).key: group.group_id for i in (1, 2)}, sealed={group.group_id: group})
+    assert step(waiting.state, now + 0.5, later, cfg).group.members == tuple(member(i) for i in range(3))
+    assert step(leading, now + 0.5, later, cfg).group is None  # never seen stale: waited for
+
+
+def test_a_full_group_that_lost_only_a_dead_member_commits_before_its_scheduled_time() -> None:
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg)  # a full group of 4, sealed long before its scheduled time
+    now = NOW + 0.05
+    result = step(leading, now, _stale_board(leading.group, 3, (1, 2), now, cfg), cfg)
+    assert result.group is not None and result.group.size == 3
+    went_elsewhere = Board(markers={member(i).key: leading.group.group_id for i in (1, 2)} | {member(3).key: None})
+    abandoned = step(leading, now, replace(went_elsewhere, sealed={leading.group.group_id: leading.group}), cfg)
+    assert abandoned.group is None and isinstance(abandoned.state, Looking)  # a live member left: abandoned
+
+
+def test_an_abandoning_leader_waits_for_a_member_that_another_group_dropped() -> None:
+    # The leader read the member's marker of the other group before the member read that group's commit
+    # without it; it abandoned, left the member out of its plans, and the member, which then joined this
+    # group, waited on it and left it out too: 67 polls (1,000 simulated peers, 2% dying, seed 3).
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg, count=2, ready_at=NOW)
+    group, now = leading.group, NOW + 0.05
+    other = group_id_for((member(1), member(7)))
+    board = Board(
+        markers={member(1).key: other},
+        sealed={group.group_id: group},
+        commits={other: Commit(other, (member(7).key,))},
+    )
+    result = step(leading, now, board, cfg)
+    assert result.state == leading and result.urgent and result.writes == ()
+    joined = replace(board, markers={member(1).key: group.group_id})
+    assert step(result.state, now + 0.05, joined, cfg).group.size == 2
+    retried = replace(board, declarations={member(1, attempt=1).key: declaration(1, attempt=1)})
+    assert isinstance(step(leading, now, retried, cfg).state, Looking)  # it looked again instead: abandon
+    assert isinstance(step(leading, group.commit_by + 0.01, board, cfg).state, Looking)  # never past commit_by
+    kept = replace(board, commits={other: Commit(other, (member(1).key, member(7).key))})
+    assert isinstance(step(leading, now, kept, cfg).state, Looking)  # in the other group: not coming
 
 
 def test_a_sealed_group_past_its_commit_time_is_not_joined() -> None:

@@ -13,8 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from matchmaking_builders import board_of, config, declaration
 
-from hivemind_ext.averaging.matchmaking.board import board_key, declaration_write, parse_board, parse_record
+from hivemind_ext.averaging.matchmaking.board import (
+    board_key,
+    commit_write,
+    declaration_write,
+    marker_write,
+    parse_board,
+    parse_record,
+)
 from hivemind_ext.averaging.matchmaking.group import (
+    Commit,
     Declaration,
     GroupInfo,
     MatchmakingConfig,
@@ -250,6 +258,16 @@ def test_64_peers_on_an_8x8_grid_hold_the_global_mean_after_two_rounds_of_the_pr
     assert all(math.isclose(v, 31.5) for v in values.values())
 
 
+def test_slow_reads_keep_members_in_agreement_and_cost_fewer_reads() -> None:
+    # 64 real peers on two saturated cores made 0-4 reads in the 5-12 s before their scheduled time
+    # (benchmarks/RESULTS.md, session 9): the simulation's read_time models that without a network.
+    cfg = config(target_group_size=4, min_matchmaking_time=5.0, request_timeout=3.0)
+    fast = simulate_round(hashed_swarm(16, 4), cfg, swarm_size=16, seed=1, max_lag=0.5, spread=2.0)
+    slow = simulate_round(hashed_swarm(16, 4), cfg, swarm_size=16, seed=1, max_lag=0.5, spread=2.0, read_time=1.0)
+    committed(dict(slow.groups))
+    assert sum(slow.reads_per_peer.values()) < sum(fast.reads_per_peer.values()) / 3
+
+
 @settings(max_examples=8, deadline=None)
 @given(count=st.integers(10, 120), seed=st.integers(0, 2**16), dying=st.integers(0, 3))
 def test_simulated_shards_group_everyone_and_lonely_peers_fall_back(count, seed, dying) -> None:
@@ -281,3 +299,37 @@ def test_a_peer_declaring_in_every_shard_and_lying_about_its_coordinates_breaks_
     assert len(result.groups) >= 32 - 1, "every honest peer that could be grouped was"
     assert all(hostile.member.peer_id not in {m.peer_id for m in g.members} for g in groups)
     assert max(result.found_at.values()) < 1.2 + 3 * cfg.request_timeout, "it delayed groups by a few timeouts at most"
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    count=st.integers(12, 48),
+    seed=st.integers(0, 2**16),
+    dying=st.integers(0, 3),
+    marks_at=st.sampled_from([0.3, 0.7, 1.1]),
+)
+def test_dead_peers_and_hostile_markers_keep_no_honest_peer_out_of_a_group(count, seed, dying, marks_at) -> None:
+    # The hostile peer (the lowest peer id: the leader of any group it is in) declares on every board of
+    # its coordinates and never refreshes nor confirms; later it marks its attempt as dropped by a group
+    # it made up, so that a leader that would abandon a group with it waits for it (protocol._dropped).
+    cfg = config(target_group_size=4, min_matchmaking_time=1.0)
+    coordinates = hashed_swarm(count, 4, first=1)
+    dead = sorted(coordinates)[1 : 1 + dying]
+    depth = shard_depth(count, 4)
+    hostile = declaration(0, declared_at=0.0, ready_at=1.0, deadline=60.0, expiration=60.0)
+    digits = initial_digits(hostile.member.peer_id, 4)
+    made_up = "ab" * 16
+    planted = []
+    for level in range(depth, -1, -1):
+        key = config(target_group_size=4, digits=digits, shard_depth=level).group_key
+        liar = Declaration(**{**hostile.__dict__, "prefix": key, "digits": digits})
+        planted.append((board_key(key), declaration_write(liar)))
+        planted.append((board_key(key), commit_write(Commit(made_up, ()), 60.0), marks_at))
+        planted.append((board_key(key), marker_write(hostile.member.key, made_up, 61.0), marks_at))
+    result = simulate_round(
+        coordinates, cfg, swarm_size=count, seed=seed, max_lag=0.05, spread=0.3, dying=dead, planted=planted
+    )
+    groups = committed(dict(result.groups))  # no peer in two groups, members agree
+    assert all(hostile.member.peer_id not in {m.peer_id for m in g.members} for g in groups)
+    assert count - dying - len(result.groups) < cfg.min_group_size, "every honest peer that could be grouped was"
+    assert max(result.found_at.values()) < 1.0 + 3 * cfg.request_timeout, "held back by a few timeouts at most"

@@ -80,15 +80,23 @@ For scale, hivemind 1.1.12's ``DecentralizedAverager.step`` (RPC matchmaking plu
 Failure modes
 -------------
 - *A peer dies after declaring.* Its declaration lives on for up to ``request_timeout``. If it is
-  sealed into a group, it never confirms and the leader commits without it at the commit time; if
-  it was the leader of a planned group, that group waits until the declaration expires and is then
-  planned without it. Either way others are delayed by about ``request_timeout``, never hung.
+  sealed into a group, it never confirms; the leader stops waiting for it once its declaration
+  shows a missed refresh (:data:`.protocol.STALE_LEFT`, a third of ``request_timeout`` late), at
+  the commit time at the latest, and commits without it (a full group sealed before the scheduled
+  time too: only a live member that went elsewhere makes it abandon). If it was the leader of a
+  planned group, the member after it seals the group without it once it has waited a quarter of
+  ``request_timeout`` (the next after half, and so on: :data:`.protocol.DEPUTY_FRACTION`); a
+  slow but live leader that seals too wins, and the deputy gives way. Others are delayed by a
+  fraction of ``request_timeout``, never hung.
 - *The leader dies after sealing.* Its members wait for the commit until ``request_timeout`` past
   the commit time, mark their attempt as left, and look again.
 - *Different views.* Peers may read slightly different snapshots and plan different groups; two
   leaders may then seal groups that share a member. The member joins one; the other leader sees
   its marker and commits without it (or abandons, if too few remain). Wasted work, not
-  disagreement.
+  disagreement. A leader that would abandon its group waits (until its commit time at most) for
+  a member whose marker names a group that committed without it: that member joins this group
+  once it reads that commit (it used to abandon, and the two honest peers then left each other
+  out of their plans for three request timeouts).
 - *Lost writes or reads.* A lost confirmation looks like a member that did not confirm; a failed
   read skips one poll. A leader whose commit cannot be stored raises :class:`MatchmakingError`
   and (best effort) abandons the group; its members then act as for a dead leader.

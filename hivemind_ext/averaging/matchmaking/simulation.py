@@ -117,22 +117,25 @@ def simulate_round(
     max_lag: float = 0.0,
     spread: float = 0.0,
     dying: Sequence[str] = (),
-    planted: Sequence[tuple[str, Write]] = (),
+    planted: Sequence[tuple[str, Write] | tuple[str, Write, float]] = (),
     scheduled_time: float | None = None,
     until: float = 60.0,
     per_record: bool = False,
+    read_time: float = 0.0,
 ) -> SimulatedRound:
     """One round of matchmaking for the peers of ``coordinates`` (peer id -> digits; empty digits
     and ``swarm_size=None``: one board, no rotation): each starts looking at a random time within
     ``spread`` seconds, with its scheduled time ``min_matchmaking_time`` later (or
     ``scheduled_time`` for all, as in synchronous training); ``dying`` peers die right after
-    declaring; ``planted`` records ``(key, write)`` lie in the DHT from the start; ``per_record``:
-    see :class:`LaggingDHT`. Runs until every live peer has a group or gave up at ``until`` (a
-    peer in a group that is being formed finishes that first)."""
+    declaring; ``planted`` records ``(key, write)`` lie in the DHT from the start (``(key, write,
+    time)``: from that time on, as a hostile peer's later writes); ``per_record``:
+    see :class:`LaggingDHT`; ``read_time``: a read takes up to this long (a uniform draw), as reads
+    of 64 real peers on two saturated cores took seconds. Runs until every live peer has a group or
+    gave up at ``until`` (a peer in a group that is being formed finishes that first)."""
     rnd = random.Random(seed)
     dht = LaggingDHT(seed, max_lag, per_record)
-    for key, write in planted:
-        dht.store(key, write, 0.0)
+    for key, write, *at in planted:
+        dht.store(key, write, at[0] if at else 0.0)
     base = config.target_group_size
     depth = shard_depth(swarm_size, base) if base is not None else 0
     peers = []
@@ -153,7 +156,7 @@ def simulate_round(
         if not active:
             break
         peer = min(active, key=lambda p: (p.next_time, p.peer_id))
-        _poll(peer, dht, rnd)
+        _poll(peer, dht, rnd, read_time)
     live = [p for p in peers if not p.dies]
     grouped = [p for p in live if p.group is not None]
     found = {p.peer_id: p.found_at for p in grouped if p.found_at is not None}
@@ -168,7 +171,7 @@ def simulate_round(
     )
 
 
-def _poll(peer: SimulatedPeer, dht: LaggingDHT, rnd: random.Random) -> None:
+def _poll(peer: SimulatedPeer, dht: LaggingDHT, rnd: random.Random, read_time: float = 0.0) -> None:
     """One read, one step and its writes; schedules the peer's next read as the matchmaker would."""
     now, key = peer.next_time, board_key(peer.config.group_key)
     entries = dht.read(key, peer.peer_id, now)
@@ -179,7 +182,7 @@ def _poll(peer: SimulatedPeer, dht: LaggingDHT, rnd: random.Random) -> None:
     if result.fall_back:
         peer.config, peer.state, left = fall_back(result.state.declaration, now, peer.config)
         dht.store(key, left, now)
-        peer.next_time = now  # declares on the coarser board at once
+        peer.next_time = now + _read_delay(rnd, read_time)  # declares on the coarser board at once
         return
     for write in result.writes:
         dht.store(key, write, now)
@@ -190,4 +193,10 @@ def _poll(peer: SimulatedPeer, dht: LaggingDHT, rnd: random.Random) -> None:
         peer.next_time = float("inf")  # declared, then died
         return
     pause = peer.config.poll_interval * (URGENT_POLL_FRACTION if result.urgent else 1.0)
-    peer.next_time = now + pause * rnd.uniform(0.5, 1.5)
+    peer.next_time = now + pause * rnd.uniform(0.5, 1.5) + _read_delay(rnd, read_time)
+
+
+def _read_delay(rnd: random.Random, read_time: float) -> float:
+    """How long one read takes beyond the poll pause; no draw without ``read_time``, so that seeded
+    runs without it keep their results."""
+    return rnd.uniform(0, read_time) if read_time > 0 else 0.0
