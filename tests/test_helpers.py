@@ -36,24 +36,6 @@ def test_within_returns_the_calls_value_and_raises_its_error() -> None:
         within("a lookup", {}.__getitem__, "missing")
 
 
-def _within_on_a_killed_dht(report: Connection) -> None:
-    """The scenario below, in a spawned interpreter of its own: sends ``None`` or the failure's text."""
-    dht = new_peer()
-    try:
-        assert within("a store", dht.store, "key", 1, get_dht_time() + 60)
-        os.kill(dht.pid, signal.SIGKILL)
-        dht.join(10)
-        started = time.monotonic()
-        with pytest.raises(AssertionError, match=r"a store did not return within 0.5 s \(did a DHT process die\?\)"):
-            within("a store", dht.store, "key", 2, get_dht_time() + 60, seconds=0.5)
-        assert time.monotonic() - started < 3.0
-        report.send(None)
-    except BaseException as error:  # handed to the test in the parent process
-        report.send(f"{type(error).__name__}: {error}")
-    finally:
-        dht.shutdown()
-
-
 def run_spawned(scenario: Callable[[Connection], None], seconds: float = 45.0) -> None:
     """Runs ``scenario(report)`` in a spawned interpreter and fails with the text it reports, if any.
 
