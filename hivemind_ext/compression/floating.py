@@ -28,6 +28,12 @@ FP16_MAX = torch.finfo(torch.float16).max
 FP32_EPS = torch.finfo(torch.float32).eps
 
 
+def decode_float16(payload: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A float16 payload's values as ``dtype``: written into ``out`` where given, else a new tensor."""
+    halves = view_bytes_as(payload, torch.float16)
+    return halves.to(dtype) if out is None else out.copy_(halves)
+
+
 def view_bytes_as(section: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterprets a uint8 section as ``dtype`` without a copy when its offset allows, else with one."""
     try:
@@ -97,8 +103,7 @@ class Float16Compression(Codec):
         params: Mapping[str, Any],
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        halves = view_bytes_as(payload, torch.float16)
-        return halves.to(dtype) if out is None else out.copy_(halves)
+        return decode_float16(payload, dtype, out)
 
 
 class BFloat16Compression(Codec):

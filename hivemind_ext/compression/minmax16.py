@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from hivemind_ext.compression.base import Codec, CompressionInfo, require_exact_params
-from hivemind_ext.compression.floating import FP16_MAX, view_bytes_as
+from hivemind_ext.compression.floating import FP16_MAX, decode_float16, view_bytes_as
 from hivemind_ext.compression.minmax import CPU_TILE_NUMEL, DEVICE_TILE_NUMEL, decode_in_tiles, new_output, tile_slices
 from hivemind_ext.errors import CompressionError
 
@@ -125,8 +125,7 @@ class Float16OrMinMax16(Codec):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if params["scheme"] == FLOAT16:
-            halves = view_bytes_as(payload, torch.float16)
-            return halves.to(dtype) if out is None else out.copy_(halves)
+            return decode_float16(payload, dtype, out)
         codes = view_bytes_as(payload, torch.uint16)
         lo = torch.tensor(params["lo"], dtype=torch.float32, device=payload.device)
         step = torch.tensor(params["step"], dtype=torch.float32, device=payload.device)

@@ -45,7 +45,7 @@ from hivemind_ext.p2p.direct_wire import (
     read_hello,
     ticket_response,
 )
-from hivemind_ext.p2p.framing import protocol_name
+from hivemind_ext.p2p.framing import ByteReader, protocol_name
 from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.receive_budget import ReceiveBudget
 from hivemind_ext.p2p.serving import (
@@ -323,14 +323,18 @@ class RPCServer:
         """One incoming libp2p stream, from adoption by this server to close; never raises but
         CancelledError (asyncio's stream server, which started this task, would only log it)."""
         if self._adopt_current_task(writer):
-            stream = FramedStream(
-                reader,
-                writer,
-                route.config.limits,
-                self.receive_budget.account(info.peer_id),
-                send_limits=route.config.answer_limits,
-            )
+            stream = self._handler_stream(route, info.peer_id, reader, writer)
             await self._serve_adopted(route, info.peer_id, stream, "libp2p")
+
+    def _handler_stream(
+        self, route: Route, peer_id: PeerID, reader: ByteReader, writer: asyncio.StreamWriter
+    ) -> FramedStream:
+        """The framed stream a call to ``route`` is served on, over libp2p or the direct path: requests
+        bounded by the handler's limits and charged to the caller's receive budget, answers by its
+        answer limits."""
+        limits = route.config.limits
+        account = self.receive_budget.account(peer_id)
+        return FramedStream(reader, writer, limits, account, send_limits=route.config.answer_limits)
 
     def _adopt_current_task(self, writer: asyncio.StreamWriter) -> bool:
         """Makes this server own the connection's task (so that shutdown() cancels and awaits it)."""
@@ -382,13 +386,7 @@ class RPCServer:
             return
         if server is not self and not server._adopt_current_task(writer):  # its shutdown must cancel the call
             return
-        stream = FramedStream(
-            reader,
-            writer,
-            route.config.limits,
-            server.receive_budget.account(peer_id),
-            send_limits=route.config.answer_limits,
-        )
+        stream = server._handler_stream(route, peer_id, reader, writer)
         sealed = not self._tickets.config.plaintext
         await server._serve_adopted(route, peer_id, stream, "direct" if sealed else "direct-plaintext")
 
