@@ -361,6 +361,21 @@ def test_a_leader_stops_waiting_for_a_member_whose_declaration_missed_its_refres
     assert step(leading, now + 0.5, later, cfg).group is None  # never seen stale: waited for
 
 
+def test_a_leader_that_abandons_does_not_ignore_a_member_it_saw_not_refreshing() -> None:
+    # A DHT lagging 0.4 s shows a live member's declaration before its refresh: the leader of a pair saw it
+    # stale, abandoned, and left it out of its plans for IGNORE_TIMEOUTS while that member planned this
+    # leader, then left it out too: two honest peers ungrouped until their deadline (8 peers in pairs,
+    # found by hypothesis in CI). A dead one's declaration expires before the ignore would have ended.
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg, count=2, ready_at=NOW)
+    now = NOW + 0.05
+    result = step(leading, now, _stale_board(leading.group, 1, (), now, cfg), cfg)
+    assert result.group is None and isinstance(result.state, Looking)  # 1 < min_group_size: abandoned
+    assert member(1).peer_id not in {peer for peer, _ in result.state.ignored}
+    again = step(result.state, now + 0.05, board_of(declaration(1, ready_at=NOW)), cfg)
+    assert isinstance(again.state, Leading) and member(1) in again.state.group.members  # planned again
+
+
 def test_a_full_group_that_lost_only_a_dead_member_commits_before_its_scheduled_time() -> None:
     cfg = config()
     leading, _ = _sealed_by_leader(cfg)  # a full group of 4, sealed long before its scheduled time

@@ -315,7 +315,11 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         # whoever did not confirm is left out of my next plans (an honest one went to another group). Not
         # only those without a marker: a hostile member writes markers too, and honest peers that kept it
         # in their plans failed to regroup around a lying leader (test_matchmaking_dht, LyingDesk, 2 of 8)
-        silent = {m.peer_id for m in others if m.key not in confirmed}
+        # Not those seen not refreshing: the declaration of a dead one expires before the ignore would end,
+        # and one that only looked dead (a lagging DHT shows a live member's declaration before its refresh)
+        # would be ignored by this leader while it plans this leader (8 peers in pairs, DHT lag 0.4 s: two
+        # honest peers ignored each other until the deadline)
+        silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in state.gone}
         return _retry(state.declaration, now, config, (commit,), _ignore(state.ignored, silent, now, config))
     return Step(state, (commit,), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
 
