@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from matchmaking_builders import board_of, config, declaration, member, peer
 
@@ -32,6 +32,7 @@ from hivemind_ext.averaging.matchmaking.protocol import (
     DEPUTY_FRACTION,
     EAGER_POLLS,
     RECORD_LIFETIME,
+    STALE_LEFT,
     Following,
     Leading,
     Looking,
@@ -334,7 +335,7 @@ def test_a_member_seals_its_planned_group_without_a_leader_that_stays_silent() -
 
 def _stale_board(group: SealedGroup, stale: int, marked: tuple[int, ...], now: float, cfg: MatchmakingConfig) -> Board:
     """The leader's read: ``marked`` members confirmed, ``stale`` shows a declaration it stopped refreshing."""
-    left = 0.9 * cfg.request_timeout / 3  # less than a third of its lifetime: it missed its refresh
+    left = 0.9 * STALE_LEFT * cfg.request_timeout  # it missed its refresh
     return Board(
         declarations={member(stale).key: declaration(stale, expiration=now + left)},
         markers={member(i).key: group.group_id for i in marked},
@@ -478,6 +479,11 @@ def check_agreement(result: SimulatedRound, cfg: MatchmakingConfig, count: int, 
     spread=st.sampled_from([0.0, 0.1, 1.0]),
     per_record=st.booleans(),
 )
+# found by random draws, each failed before its fix: a live member's declaration seen before its refresh
+# got it ignored by an abandoning leader (CI); members that had joined, their markers lagging 0.4 s, were
+# taken for dead and left out of a commit (STALE_LEFT was 1/3: it tolerated lags below a third of a timeout)
+@example(count=8, target=2, min_size=2, seed=2, max_lag=0.4, spread=1.0, per_record=True)
+@example(count=6, target=4, min_size=2, seed=1477593643, max_lag=0.4, spread=0.1, per_record=True)
 def test_simulated_peers_agree_on_every_group(count, target, min_size, seed, max_lag, spread, per_record) -> None:
     cfg = config(target_group_size=target, min_group_size=min(min_size, target), min_matchmaking_time=1.0)
     result = simulate(count, cfg, seed=seed, max_lag=max_lag, spread=spread, until=8.0, per_record=per_record)
