@@ -28,10 +28,10 @@ from hivemind_ext.averaging.matchmaking.group import (
     all_auxiliary,
     group_id_for,
 )
+from hivemind_ext.averaging.matchmaking.lifetimes import LAG_MARGIN, seal_expiration
 from hivemind_ext.averaging.matchmaking.protocol import (
     DEPUTY_FRACTION,
     EAGER_POLLS,
-    RECORD_LIFETIME,
     STALE_LEFT,
     Following,
     Leading,
@@ -117,7 +117,7 @@ def test_the_leader_seals_a_full_group_and_confirms_itself() -> None:
     assert kinds == ["d", "g"]
     marker = next(w for w in result.writes if w.subkey.startswith("d/"))
     assert marker.value == {"state": "joined", "group": sealed.group_id}
-    assert marker.expiration_time == NOW + RECORD_LIFETIME * cfg.request_timeout
+    assert marker.expiration_time == seal_expiration(sealed, cfg) == sealed.commit_by + LAG_MARGIN * cfg.request_timeout
 
 
 def test_a_member_that_is_not_the_leader_waits_and_polls_sooner() -> None:
@@ -427,6 +427,47 @@ def test_withdrawal_leaves_and_a_leader_also_abandons_its_group() -> None:
     left, abandon = withdrawal(leading, NOW, cfg)
     assert left.value == {"state": "left"} and abandon.value == {"members": []}
     assert left.expiration_time > leading.declaration.expiration
+
+
+def test_a_group_records_expire_with_the_group_and_a_late_commit_keeps_its_seal() -> None:
+    # records used to live 3 request timeouts from their last write whatever they were for
+    cfg = config()
+    leading, board = _sealed_by_leader(cfg, ready_at=NOW)
+    group = leading.group
+    until = group.commit_by + LAG_MARGIN * cfg.request_timeout
+    others = board_of(*(declaration(i, ready_at=NOW) for i in (1, 2, 3)))
+    sealed, confirm = step(declared(0, ready_at=NOW), NOW, others, cfg).writes
+    assert sealed.expiration_time == confirm.expiration_time == until
+    board = _confirm(board, group, (1, 2, 3))
+    (commit,) = step(leading, NOW + 0.1, board, cfg).writes
+    assert commit.expiration_time == until
+    # a member's marker expires with the group it joined; one that leaves, LAG_MARGIN after it left
+    (joined,) = step(Looking(declaration(2, expiration=NOW + 1.0)), NOW, board, cfg).writes
+    assert joined.expiration_time == until
+    (left,) = withdrawal(Looking(declaration(1, expiration=NOW + 0.1)), NOW, cfg)
+    assert left.expiration_time == NOW + LAG_MARGIN * cfg.request_timeout
+    # a leader whose reads lagged past the commit time: members that are still waiting must believe
+    # the commit, which needs its seal, so the seal is stored again to expire with the commit
+    late = group.commit_by + cfg.request_timeout
+    resealed, commit = step(leading, late, board, cfg).writes
+    assert resealed.subkey == sealed.subkey and resealed.value == sealed.value
+    assert resealed.expiration_time == commit.expiration_time == late + LAG_MARGIN * cfg.request_timeout
+
+
+def test_a_round_reads_no_records_of_the_rounds_before() -> None:
+    # 4 peers, a round every 2 request timeouts on one DHT: each read of a round used to return the
+    # seals, commits and markers of the two rounds before too (the board grew round after round)
+    cfg = config(min_matchmaking_time=0.2)
+    dht = LaggingDHT(seed=0, max_lag=0.05, per_record=True)
+    peers = {simulated_peer_id(i): () for i in range(4)}
+    for index in range(4):
+        begin = 2 * cfg.request_timeout * index
+        assert dht.read("run.matchmaking.v1", "probe", begin) == []
+        result = simulate_round(
+            peers, cfg, swarm_size=None, seed=index, spread=0.1, until=begin + 1.9, dht=dht, begin=begin, attempt=index
+        )
+        check_agreement(result, cfg, 4)
+        assert len(result.groups) == 4
 
 
 def test_next_attempt_is_deterministic_and_new() -> None:

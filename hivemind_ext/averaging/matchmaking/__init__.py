@@ -8,6 +8,7 @@ Which file does what:
 - :mod:`.group_key`, :mod:`.rotation`: which peers meet at all (hivemind's group bits; rotating
   groups and sharded boards for large swarms, Moshpit averaging);
 - :mod:`.board`: the records of one prefix as they lie in the DHT, and their strict parsing;
+- :mod:`.lifetimes`: how long each record lives (as long as its group is being formed);
 - :mod:`.protocol`: one peer's side of the protocol as a pure state machine;
 - :mod:`.matchmaker`: :class:`Matchmaker`, the thin I/O around the state machine (DHT reads and
   writes with deadlines);

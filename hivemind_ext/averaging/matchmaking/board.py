@@ -12,6 +12,8 @@ the key. Subkeys:
   sealed ahead of its scheduled time);
 - ``c/<group id>``: the leader's commit of that group.
 
+How long each record lives (with the group it belongs to) is decided in :mod:`.lifetimes`.
+
 Anyone can write into the DHT, so every record is validated; a malformed one is skipped (and
 logged), never trusted and never fatal to the reader.
 """

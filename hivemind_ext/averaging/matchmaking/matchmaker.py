@@ -61,8 +61,9 @@ Why members agree: the commit is written once, by one peer, and it is the only t
 returns, so everyone who returns a group id returns the same ordered member list. A member is
 committed only after it confirmed, and a confirmed peer waits for the commit instead of joining
 anything else, so no peer is committed to two groups of one round. Attempt tokens are new for
-every try, so records of earlier rounds or attempts (still alive in the DHT for a few
-``request_timeout``) never match; consecutive rounds may reuse the prefix.
+every try, so records of earlier rounds or attempts (alive in the DHT until about one and a half
+``request_timeout`` after their group was sealed: see :mod:`.lifetimes`) never match; consecutive
+rounds may reuse the prefix.
 
 Timing: once the last of four peers has declared, the group is final after four reads: one slow
 (the leader sees the last declaration: up to one ``poll_interval`` if it was idle, within a fast
@@ -110,9 +111,11 @@ Failure modes
   initial peers, and the multi-peer tests check that every DHT reads every other DHT's stores
   before they start matchmaking. Records live under one key read with ``latest=True``, which merges
   the answers of all nodes that hold it, so within one connected DHT no peer misses the board.
-- *Large swarms.* Every poll reads the whole board of the group key (a few hundred bytes per peer
-  and per recent attempt) from the nodes that hold it. With a ``target_group_size``, peers carry
-  rotation coordinates and, given the swarm's size (``expected_group_size``), read and write only
+- *Large swarms.* Every poll reads the whole board of the group key (about 1 KB per signed record:
+  each peer's declaration or marker, each group's seal and commit, those of rounds that ended less
+  than about 1.5 ``request_timeout`` ago included, see :mod:`.lifetimes`) from every node that
+  holds it. With a ``target_group_size``, peers carry rotation coordinates and, given the swarm's
+  size (``expected_group_size``), read and write only
   their shard's board, which expects between one and ``target_group_size`` groups; a peer whose
   shard is too empty at its scheduled time falls back to the coarser shard's board (see
   :mod:`.rotation`). Group bits (``initial_group_bits``, ``set_group_bits``) split the board the

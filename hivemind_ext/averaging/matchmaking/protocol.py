@@ -16,10 +16,9 @@ import hashlib
 import math
 from dataclasses import dataclass, replace
 
-from hivemind_ext.averaging.matchmaking.board import Write, commit_write, declaration_write, marker_write, sealed_write
+from hivemind_ext.averaging.matchmaking.board import Write, declaration_write
 from hivemind_ext.averaging.matchmaking.group import (
     Board,
-    Commit,
     Declaration,
     GroupInfo,
     MatchmakingConfig,
@@ -32,10 +31,10 @@ from hivemind_ext.averaging.matchmaking.group import (
     is_viable,
     looking_peers,
 )
+from hivemind_ext.averaging.matchmaking.lifetimes import commit_writes, marker_record, seal_record
 from hivemind_ext.averaging.matchmaking.rotation import coarser
 from hivemind_ext.averaging.matchmaking.timing import plan_ahead
 
-RECORD_LIFETIME = 3  # in request timeouts: outlives the longest wait on a sealed group (commit_by + 1)
 REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left
 IGNORE_TIMEOUTS = 3  # request timeouts for which a peer that failed this one is left out of its plans
 URGENT_POLL_FRACTION = 0.2  # share of poll_interval to wait between reads while a group is being formed
@@ -168,7 +167,7 @@ def withdrawal(state: State, now: float, config: MatchmakingConfig) -> tuple[Wri
     """
     _, left = _mark(state.declaration, None, now, config)
     if isinstance(state, Leading):
-        return (left, commit_write(Commit(state.group.group_id, ()), _record_expiration(now, config)))
+        return (left, *commit_writes(state.group, (), now, config))
     return (left,)
 
 
@@ -237,8 +236,8 @@ def _lead(
 ) -> Step:
     """Seal ``mine`` (this peer first in it) as its leader and mark this attempt as joined."""
     sealed = _seal(mine, now, config, start_at, direct)
-    joined, confirm = _mark(me, sealed.group_id, now, config)
-    writes = (sealed_write(sealed, _record_expiration(now, config)), confirm)
+    joined, confirm = _mark(me, sealed, now, config)
+    writes = (seal_record(sealed, config), confirm)
     due = min(d.ready_at for d in mine)
     full_until = due if due > now and start_at <= now else -math.inf  # a full group, not one sealed ahead
     return Step(Leading(joined, sealed, state.ignored, full_until), writes, urgent=True)
@@ -294,9 +293,9 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         # Two leaders with different views sealed groups that share members: the lowest leader keeps
         # its group and the others join it (a leader does not confirm other groups while it leads,
         # so both groups used to commit short, and the peers that neither took were left over).
-        abandoned = commit_write(Commit(group.group_id, ()), _record_expiration(now, config))
+        abandoned = commit_writes(group, (), now, config)
         joined = _join(state.declaration, min(senior, key=lambda g: g.group_id), now, config, state.ignored)
-        return replace(joined, writes=(abandoned, *joined.writes))
+        return replace(joined, writes=(*abandoned, *joined.writes))
     others = [m for m in group.members if m != me]
     confirmed = {me.key} | {m.key for m in others if board.markers.get(m.key) == group.group_id}
     # once seen not refreshing, a member is not waited for again: its declaration then expires, and a
@@ -316,7 +315,7 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         if now < group.commit_by and any(_dropped(m, group, board) for m in others):
             return Step(state, urgent=True)  # rather than abandon: a member is on its way back (see _dropped)
         members = ()
-    commit = commit_write(Commit(group.group_id, tuple(m.key for m in members)), _record_expiration(now, config))
+    commits = commit_writes(group, tuple(m.key for m in members), now, config)
     if not members:
         # whoever did not confirm is left out of my next plans (an honest one went to another group). Not
         # only those without a marker: a hostile member writes markers too, and honest peers that kept it
@@ -326,8 +325,8 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         # would be ignored by this leader while it plans this leader (8 peers in pairs, DHT lag 0.4 s: two
         # honest peers ignored each other until the deadline)
         silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in state.gone}
-        return _retry(state.declaration, now, config, (commit,), _ignore(state.ignored, silent, now, config))
-    return Step(state, (commit,), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
+        return _retry(state.declaration, now, config, commits, _ignore(state.ignored, silent, now, config))
+    return Step(state, commits, GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
 
 
 def _step_following(state: Following, now: float, board: Board, config: MatchmakingConfig) -> Step:
@@ -365,7 +364,7 @@ def _offers(me: Declaration, now: float, board: Board, mine: str | None = None) 
 
 def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingConfig, ignored: Ignored) -> Step:
     """Confirm ``group``: mark this attempt as joined (the other leaders that listed it see it leave)."""
-    joined, confirm = _mark(me, group.group_id, now, config)
+    joined, confirm = _mark(me, group, now, config)
     return Step(Following(joined, group, ignored), (confirm,), urgent=True)
 
 
@@ -436,11 +435,10 @@ def _refresh(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[De
     return me, (declaration_write(me),)
 
 
-def _mark(me: Declaration, group_id: str | None, now: float, config: MatchmakingConfig) -> tuple[Declaration, Write]:
-    """Overwrite my attempt's record with a marker; it must expire strictly after what it replaces."""
-    expiration = max(_record_expiration(now, config), math.nextafter(me.expiration, math.inf))
-    return replace(me, expiration=expiration), marker_write(me.member.key, group_id, expiration)
-
-
-def _record_expiration(now: float, config: MatchmakingConfig) -> float:
-    return now + RECORD_LIFETIME * config.request_timeout
+def _mark(
+    me: Declaration, group: SealedGroup | None, now: float, config: MatchmakingConfig
+) -> tuple[Declaration, Write]:
+    """Overwrite my attempt's record with a marker (joined ``group``, or left); it expires with its
+    purpose, and strictly after what it replaces (see :mod:`.lifetimes`)."""
+    expiration, marker = marker_record(me, group, now, config)
+    return replace(me, expiration=expiration), marker

@@ -122,6 +122,9 @@ def simulate_round(
     until: float = 60.0,
     per_record: bool = False,
     read_time: float = 0.0,
+    dht: LaggingDHT | None = None,
+    begin: float = 0.0,
+    attempt: int = 0,
 ) -> SimulatedRound:
     """One round of matchmaking for the peers of ``coordinates`` (peer id -> digits; empty digits
     and ``swarm_size=None``: one board, no rotation): each starts looking at a random time within
@@ -131,20 +134,22 @@ def simulate_round(
     time)``: from that time on, as a hostile peer's later writes); ``per_record``:
     see :class:`LaggingDHT`; ``read_time``: a read takes up to this long (a uniform draw), as reads
     of 64 real peers on two saturated cores took seconds. Runs until every live peer has a group or
-    gave up at ``until`` (a peer in a group that is being formed finishes that first)."""
+    gave up at ``until`` (a peer in a group that is being formed finishes that first). ``dht``: the DHT
+    to run on (default: a new one), e.g. that of an earlier round, with peers that start looking from
+    ``begin`` on (a DHT time; ``until`` is one too) under attempt tokens numbered ``attempt``."""
     rnd = random.Random(seed)
-    dht = LaggingDHT(seed, max_lag, per_record)
+    dht = LaggingDHT(seed, max_lag, per_record) if dht is None else dht
     for key, write, *at in planted:
         dht.store(key, write, at[0] if at else 0.0)
     base = config.target_group_size
     depth = shard_depth(swarm_size, base) if base is not None else 0
     peers = []
     for index, (peer_id, digits) in enumerate(sorted(coordinates.items())):
-        start = rnd.uniform(0, spread)
+        start = begin + rnd.uniform(0, spread)
         mine = dataclasses.replace(
             config, digits=tuple(digits), shard_depth=min(depth, len(digits)), expected_group_size=swarm_size
         )
-        member = simulated_member(index, client_mode=config.client_mode, auxiliary=config.auxiliary)
+        member = simulated_member(index, attempt=attempt, client_mode=config.client_mode, auxiliary=config.auxiliary)
         member = dataclasses.replace(member, peer_id=peer_id)
         ready_at = start + config.min_matchmaking_time if scheduled_time is None else max(start, scheduled_time)
         declaration = Declaration(member, mine.group_key, start, ready_at, until, digits=mine.digits)
