@@ -153,6 +153,7 @@ def run_case(impl: str, link: str, codec: str, args: argparse.Namespace) -> dict
     rounds = []
     with Topology(links, prefix="hxw") as topology:
         with AveragerSwarm(topology, configs, python=[python] * PEERS, timeout=300.0) as swarm:
+            board_before: dict[int, list[int]] = {}
             for index in range(args.rounds + 1):
                 before, marks = topology.link_bytes(), []
                 results = swarm.run_round(at_allreduce=lambda marks=marks: marks.append(topology.link_bytes()))
@@ -174,6 +175,7 @@ def run_case(impl: str, link: str, codec: str, args: argparse.Namespace) -> dict
                 chunk = results[0].get("chunk_bytes")
                 split += f" chunks {chunk // 1024} KiB" if chunk else ""
                 label = "warm-up" if index == 0 else f"round {index}"
+                split += board_read(results, board_before)
                 print(
                     f"  {impl:8s} {label:8s} {seconds:6.2f} s  max error {max(errors):.3g} (bound {bound:.3g})"
                     f" link busy {carried:.2f} s ({whole:.2f} s with matchmaking)"
@@ -191,6 +193,22 @@ def run_case(impl: str, link: str, codec: str, args: argparse.Namespace) -> dict
         "correct": all(r[1] <= r[2] and not r[3] for r in rounds),
         "bound": max(r[2] for r in rounds),
     }
+
+
+def board_read(results: list[dict[str, Any]], before: dict[int, list[int]]) -> str:
+    """Ours: the most matchmaking board reads and bytes (one copy of each answer) a peer made in this
+    round, for the round's printed line; ``before`` holds each peer's counters and is updated."""
+    rounds = []
+    for result in results:
+        counts = result.get("board")
+        if counts is not None:
+            last = before.get(result["index"], [0, 0])
+            rounds.append((counts[0] - last[0], counts[1] - last[1]))
+            before[result["index"]] = counts
+    if not rounds:
+        return ""
+    reads, read_bytes = max(r[0] for r in rounds), max(r[1] for r in rounds)
+    return f" board {reads} reads {read_bytes / 1000:.1f} KB"
 
 
 def direct_path_results(megabytes: int, load: float) -> list[Result]:

@@ -142,6 +142,7 @@ def main(config: dict[str, Any]) -> None:
                         "excluded": getattr(report, "excluded", None),
                         "transports": getattr(report, "transports", None),
                         "bytes_sent": getattr(report, "bytes_sent", None),
+                        "board": board_counts(averager),
                     }
                 ),
                 flush=True,
@@ -151,6 +152,18 @@ def main(config: dict[str, Any]) -> None:
         if averager is not None:
             averager.shutdown()
         dht.shutdown()
+
+
+def board_counts(averager: Any) -> list[int] | None:
+    """Ours: the matchmaking board reads this peer made so far and the bytes of records they returned
+    (one copy: every node that holds the board sends its own); None for hivemind's averager."""
+    runtime = getattr(averager, "runtime", None)
+    if runtime is None:
+        return None
+    from hivemind_ext.averaging.round_stats import round_stats_of
+
+    counts = round_stats_of(runtime).snapshot()
+    return [counts.board_reads, counts.board_bytes_read]
 
 
 class AveragerSwarm:
