@@ -16,14 +16,16 @@ reported as multiples of the butterfly's limit:
   the best partition (``partition.optimal_fractions``): one peer at 20 Mbit/s and three at 100 get
   6.71 s for 16 MiB, against 10.07 s for an even split.
 
-Each round also reads the byte counters of every link's ``tc tbf`` qdiscs (``Topology.link_bytes``): what
-the shaper charged the busiest link, at its rate, is the round's floor on these links ("link busy", and
-"bytes on the busiest link / limit's bytes" in the JSON line). It is above t_min because the shaper
-charges every segment's Ethernet, IP and TCP headers (~4.5% at 1448 payload bytes a segment), the
-acknowledgements of the other direction, the transport's framing and the DHT's traffic (the counters are
-read before and after ``run_round``, so the round's matchmaking traffic is in them too); the gap between
-a round's time and it is time the links were idle or partly used (start skew, pipeline stalls, the drain
-at the end, CPU scheduling on a busy machine).
+Each round also reads the byte counters of every link's ``tc tbf`` qdiscs (``Topology.link_bytes``) when
+the first peer's all-reduce begins and when the round ends: what the shaper charged the busiest link in
+between, at its rate, is the round's floor on these links ("link busy", and "bytes on the busiest link
+in the all-reduce / limit's bytes" in the JSON line). It is above t_min because the shaper charges
+every segment's Ethernet, IP and TCP headers (~4.5% at 1448 payload bytes a segment), the
+acknowledgements of the other direction and the transport's framing; the gap between a round's time
+and it is time the links were idle or partly used (start skew, pipeline stalls, the drain at the end,
+CPU scheduling on a busy machine). The same counters read before the round began also give the bytes
+with matchmaking ("with matchmaking": the DHT reads of the matchmaking board, which are not in the
+round's time; ours carry signed records of ~1 KB each, see benchmarks/RESULTS.md, Session 10).
 
 Each peer also checks its result against the exact mean of all four inputs: a case is correct when
 every peer's max error is within twice the codec's own round-trip error on its input (plus 1e-5):
@@ -152,9 +154,11 @@ def run_case(impl: str, link: str, codec: str, args: argparse.Namespace) -> dict
     with Topology(links, prefix="hxw") as topology:
         with AveragerSwarm(topology, configs, python=[python] * PEERS, timeout=300.0) as swarm:
             for index in range(args.rounds + 1):
-                before = topology.link_bytes()
-                results = swarm.run_round()
-                carried = link_seconds(links, before, topology.link_bytes())
+                before, marks = topology.link_bytes(), []
+                results = swarm.run_round(at_allreduce=lambda marks=marks: marks.append(topology.link_bytes()))
+                after = topology.link_bytes()
+                carried = link_seconds(links, marks[0], after)  # the all-reduce's floor
+                whole = link_seconds(links, before, after)  # matchmaking's traffic too
                 seconds = round_seconds(results)
                 errors = [r["max_error"] for r in results]
                 failures = [r["error"] for r in results if r["error"]]
@@ -172,16 +176,17 @@ def run_case(impl: str, link: str, codec: str, args: argparse.Namespace) -> dict
                 label = "warm-up" if index == 0 else f"round {index}"
                 print(
                     f"  {impl:8s} {label:8s} {seconds:6.2f} s  max error {max(errors):.3g} (bound {bound:.3g})"
-                    f" link busy {carried:.2f} s"
+                    f" link busy {carried:.2f} s ({whole:.2f} s with matchmaking)"
                     f"{split}{' over ' + '+'.join(paths) if paths else ''}"
                     f"{f'  {excluded} exclusions' if excluded else ''}{'  FAILED: ' + failures[0] if failures else ''}",
                     flush=True,
                 )
                 if index:
-                    rounds.append((seconds, max(errors), bound, bool(failures), carried))
+                    rounds.append((seconds, max(errors), bound, bool(failures), carried, whole))
     return {
         "seconds": statistics.median(r[0] for r in rounds),
         "link_seconds": statistics.median(r[4] for r in rounds),
+        "round_link_seconds": statistics.median(r[5] for r in rounds),
         "max_error": max(r[1] for r in rounds),
         "correct": all(r[1] <= r[2] and not r[3] for r in rounds),
         "bound": max(r[2] for r in rounds),
@@ -245,7 +250,8 @@ def main() -> None:
                 print(
                     f"  {impl:8s} median {m['seconds']:.2f} s = {m['seconds'] / limit:.2f}x the limit, "
                     f"{'correct' if m['correct'] else 'WRONG'} (error {m['max_error']:.3g}, bound {m['bound']:.3g}); "
-                    f"the busiest link carried {m['link_seconds'] / limit:.2f}x the limit's bytes",
+                    f"the busiest link carried {m['link_seconds'] / limit:.2f}x the limit's bytes in the all-reduce, "
+                    f"{m['round_link_seconds'] / limit:.2f}x with matchmaking",
                     flush=True,
                 )
         ours, theirs = measured.get("ours"), measured.get("hivemind")
@@ -258,15 +264,13 @@ def main() -> None:
                 theirs["seconds"] / limit if theirs else None,
             )
         )
-        results.append(
-            Result(
-                name,
-                "bytes on the busiest link / limit's bytes (headers, acknowledgements, DHT included)",
-                ours["link_seconds"] / limit if ours else None,
-                theirs["link_seconds"] / limit if theirs else None,
-                None,
+        for key, metric in (
+            ("link_seconds", "bytes on the busiest link in the all-reduce / limit's bytes (headers, acks)"),
+            ("round_link_seconds", "bytes on the busiest link / limit's bytes (headers, acks, matchmaking)"),
+        ):
+            results.append(
+                Result(name, metric, ours[key] / limit if ours else None, theirs[key] / limit if theirs else None, None)
             )
-        )
         results.append(
             Result(
                 name,

@@ -124,11 +124,10 @@ class Topology:
         counters of its two ``tc tbf`` qdiscs, i.e. what the shaper charged the link (Ethernet, IP and
         TCP headers of every segment, acknowledgements, the DHT's traffic), not only the payload. A
         client peer's link is its router's, which carries nothing else. An unshaped direction reads 0."""
-        counters = []
-        for peer in self.peers:
-            upload, download = self._shaped_ends(peer)
-            counters.append((_qdisc_bytes(*upload), _qdisc_bytes(*download)))
-        return counters
+        ends = [end for peer in self.peers for end in self._shaped_ends(peer)]
+        readings = [_start_qdisc_read(*end) for end in ends]  # all at once: a reading is one moment
+        counts = [_qdisc_bytes(reading) for reading in readings]
+        return list(zip(counts[0::2], counts[1::2], strict=True))
 
     # building
 
@@ -262,13 +261,24 @@ def _shape(namespace: str, device: str, rate_mbit: float | None) -> None:
         "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms")  # fmt: skip
 
 
-def _qdisc_bytes(namespace: str, device: str) -> int:
-    """What the ``tbf`` qdisc on ``device`` has sent so far, in bytes (GSO segments counted with their
-    headers, as the shaper charges them); 0 where the device is not shaped."""
-    listed = subprocess.run(
+def _start_qdisc_read(namespace: str, device: str) -> subprocess.Popen:
+    return subprocess.Popen(
         ["ip", "netns", "exec", namespace, "tc", "-s", "-j", "qdisc", "show", "dev", device],
-        capture_output=True, text=True, check=True, timeout=30,
-    ).stdout  # fmt: skip
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _qdisc_bytes(reading: subprocess.Popen) -> int:
+    """What the ``tbf`` qdisc read by ``reading`` (:func:`_start_qdisc_read`) has sent so far, in bytes
+    (GSO segments counted with their headers, as the shaper charges them); 0 where it is not shaped."""
+    try:
+        listed, error = reading.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        reading.kill()
+        reading.communicate()
+        raise
+    if reading.returncode != 0:
+        raise subprocess.CalledProcessError(reading.returncode, reading.args, listed, error)
     return sum(int(qdisc.get("bytes", 0)) for qdisc in json.loads(listed) if qdisc.get("kind") == "tbf")
 
 

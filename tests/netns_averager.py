@@ -7,6 +7,7 @@ hivemind's API), the codec, the tensor and the swarm to join. The peer prints, o
 
 - ``addrs <json list>``: its DHT's visible multiaddrs (the first peer's are the others' initial peers);
 - ``ready <round>``: it waits for a line on stdin: ``go`` runs the round, anything else stops it;
+- ``allreduce <time>``: the round's all-reduce began (its step's stage; or the step ended before it);
 - ``result <json>``: the round's timing (``started``: step called; ``allreduce``: the all-reduce
   began, as the step's stage showed; ``finished``), its max error against the exact mean of every
   peer's input, and what our averager reports (part sizes, measured and declared bandwidth).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,7 @@ def main(config: dict[str, Any]) -> None:
             started = time.time()
             control = averager.step(wait=False, timeout=config.get("step_timeout", 120.0))
             allreduce = wait_for_stage(control, "RUNNING_ALLREDUCE")
+            print("allreduce", allreduce, flush=True)
             error_text = None
             try:
                 control.result()
@@ -193,8 +196,13 @@ class AveragerSwarm:
     def stderr(self, index: int) -> str:
         return self.peers.stderr(index)
 
-    def run_round(self) -> list[dict[str, Any]]:
+    def run_round(self, at_allreduce: Callable[[], Any] | None = None) -> list[dict[str, Any]]:
+        """Every peer's result of one round; ``at_allreduce`` is called as soon as the first peer says
+        its all-reduce began (matchmaking over: benchmarks/wan.py reads the link counters there)."""
         self.peers.send("go")
+        if at_allreduce is not None:
+            self.peers.first("allreduce")
+            at_allreduce()
         results = [json.loads(self.peers.expect(index, "result")) for index in range(len(self.peers))]
         for index in range(len(self.peers)):
             self.peers.expect(index, "ready")

@@ -70,6 +70,24 @@ class PeerProcesses:
             if head == word:
                 return rest
 
+    def first(self, word: str, timeout: float | None = None, poll: float = 0.001) -> int:
+        """The index of the first peer whose next line starting with ``word`` arrives (each peer's
+        other lines before it are skipped, as by :meth:`expect`; the line is consumed); RuntimeError
+        with a peer's stderr if that peer exits, or with none if no peer says it within ``timeout``."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while time.monotonic() < deadline:
+            for index, lines in enumerate(self.lines):
+                try:
+                    line = lines.get_nowait()
+                except queue.Empty:
+                    continue
+                if line is None:
+                    raise RuntimeError(f"peer {index} exited before saying {word!r}:\n{self.stderr(index)}")
+                if line.partition(" ")[0] == word:
+                    return index
+            time.sleep(poll)
+        raise RuntimeError(f"no peer said {word!r} in time")
+
     def send(self, line: str, indices: Sequence[int] | None = None) -> None:
         """Writes ``line`` to the stdin of the given peers (default: every peer)."""
         for index in range(len(self.processes)) if indices is None else indices:

@@ -457,3 +457,41 @@ def test_diloco_late_joiner_loads_state_and_contributes_from_next_round():
                 torch.testing.assert_close(
                     mine.detach(), theirs.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{m}\n{histories}"
                 )
+
+
+@pytest.mark.timeout(60)
+def test_diloco_peers_at_two_paces_average_in_one_group():
+    """Two pairs at two paces: peers 2 and 3 take 0.3 s per inner step, peers 0 and 1 a few ms, so
+    at each round's end 0 and 1 are looking about 0.9 s before 2 and 3, longer than their matchmaking
+    window (2 x 0.3 s). They must wait for the peers that the swarm reports training at the same round:
+    before, each pair sealed a group of two at its scheduled time, every round, and the pairs ended on
+    two models (each pair stepped from its own anchor: nothing ever brings them back together)."""
+    inner_steps, rounds = 3, 3
+    with local_swarm(4) as dhts:
+        models = [linear_model(seed=0) for _ in dhts]
+        opts = [
+            make_optimizer(dht, m.parameters(), "two_paces", DiLoCo(inner_steps, codec=None))
+            for dht, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            wait_for(lambda: all(o.tracker.global_progress.num_trainers == 4 for o in opts), 30, message="4 peers")
+
+            def worker(index: int) -> None:
+                generator = torch.Generator().manual_seed(index + 1)
+                for _ in range(rounds * inner_steps):
+                    train_step(models[index], opts[index], generator)
+                    time.sleep(0.3 if index >= 2 else 0.01)
+
+            run_peers(worker, 4, timeout=50)
+        finally:
+            for opt in opts:
+                opt.shutdown()
+    impls = [opt.algorithm_impl for opt in opts]
+    histories = [list(impl.history) for impl in impls]
+    for history in histories:
+        assert [(kind, group) for _, kind, _, group in history] == [("swarm", 4)] * rounds, histories
+    for model in models[1:]:
+        for mine, theirs in zip(models[0].parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(
+                mine.detach(), theirs.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{m}\n{histories}"
+            )

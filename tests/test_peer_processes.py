@@ -18,6 +18,7 @@ for line in sys.stdin:
     if line.strip() != "go":
         break
     print("noise", flush=True)
+    print("allreduce", sys.argv[1], flush=True)
     print("result ok", flush=True)
 print("bye", file=sys.stderr, flush=True)
 """
@@ -38,11 +39,14 @@ def test_peers_are_driven_by_words_and_lines_and_stopped() -> None:
     peers = PeerProcesses(LocalTopology([0, 1]), timeout=30)
     try:
         for index in range(2):
-            peers.start(index, [sys.executable, "-c", ECHO])
+            peers.start(index, [sys.executable, "-c", ECHO, str(index)])
         assert [peers.expect(i, "addrs") for i in range(2)] == ["[1, 2]", "[1, 2]"]
         for _ in range(2):
             peers.send("go")
+            assert peers.first("allreduce") in (0, 1)  # whichever said it first; the other's line is skipped below
             assert [peers.expect(i, "result") for i in range(2)] == ["ok", "ok"]  # "noise" lines skipped
+        peers.send("go", indices=[1])
+        assert peers.first("allreduce") == 1  # only peer 1 ran a round
         processes = list(peers.processes)
     finally:
         peers.close()
@@ -54,6 +58,8 @@ def test_a_peer_that_dies_or_stays_silent_raises_with_its_stderr_and_a_stubborn_
     peers = PeerProcesses(LocalTopology([0, 1]), timeout=1.0, grace=0.5)
     try:
         peers.start(0, [sys.executable, "-c", "import sys; print('dying', file=sys.stderr, flush=True)"])
+        with pytest.raises(RuntimeError, match=r"(?s)peer 0 exited before saying 'addrs'.*dying"):
+            peers.first("addrs")  # the only peer so far ends its output without the word
         peers.start(
             1,
             [
@@ -64,10 +70,12 @@ def test_a_peer_that_dies_or_stays_silent_raises_with_its_stderr_and_a_stubborn_
             ],
         )
         with pytest.raises(RuntimeError, match="dying"):
-            peers.expect(0, "addrs")
+            peers.expect(0, "addrs")  # its end of output was taken by first(): it says nothing in time
         assert peers.expect(1, "addrs") == "x"
         with pytest.raises(RuntimeError, match="said no 'result'"):
             peers.expect(1, "result", timeout=0.5)
+        with pytest.raises(RuntimeError, match="no peer said 'result' in time"):
+            peers.first("result", timeout=0.3)
         with pytest.raises(ValueError):
             peers.start(5, [sys.executable, "-c", "pass"])
         stubborn = peers.processes[1]

@@ -76,6 +76,15 @@ def test_global_epoch_is_the_highest_and_samples_count_only_at_it() -> None:
     assert progress.target_batch_size == 100
 
 
+def test_the_slowest_trainer_speed_leaves_auxiliary_peers_out() -> None:
+    # what a round on each peer's own clock waits for (rounds.straggler_patience); an auxiliary peer
+    # trains nothing, so its speed (whatever its record says) is never the straggler's
+    aux = LocalTrainingProgress("X", 0, 0, 0.5, NOW, False, auxiliary=True)
+    progress = aggregate([peer("B", speed=40.0), peer("C", speed=25.0), aux], peer("A", speed=60.0))
+    assert progress.slowest_trainer_speed == 25.0
+    assert aggregate([peer("B", speed=40.0)], peer("A")).slowest_trainer_speed == 0.0  # A measured none yet
+
+
 def test_own_record_is_replaced_by_the_local_progress() -> None:
     stale_own = peer("A", 0, 90)
     progress = aggregate([stale_own, peer("B", 0, 10)], peer("A", 0, 3))

@@ -27,6 +27,7 @@ from hivemind_ext.optim.rounds import (
     plan_round,
     should_abandon_search,
     should_prepare_round,
+    straggler_patience,
 )
 
 
@@ -59,6 +60,38 @@ def test_plan_round(eta, expected, scheduled, deadline) -> None:
     plan = plan_round(100.0, matchmaking_time=0.5, averaging_timeout=10.0, eta=eta, expected=expected)
     assert plan == RoundPlan(scheduled_time=scheduled, deadline=deadline, expected_group_size=expected)
     assert plan.timeout(100.0) == deadline - 100.0
+
+
+def test_patience_extends_only_a_round_that_expects_peers() -> None:
+    waits = plan_round(100.0, matchmaking_time=0.5, averaging_timeout=10.0, expected=3, patience=2.0)
+    assert (waits.scheduled_time, waits.deadline) == (103.0, 113.0)  # the all-reduce keeps its whole timeout
+    alone = plan_round(100.0, matchmaking_time=0.5, averaging_timeout=10.0, expected=None, patience=2.0)
+    assert alone.scheduled_time == 100.5
+
+
+@pytest.mark.parametrize(
+    "samples, slowest_speed, patience",
+    [
+        (80, 40.0, 2.0),  # the straggler needs 2 s for this peer's samples of the round
+        (80, 400.0, 0.2),
+        (80, 1.0, 5.0),  # never past the limit (a stalled or lying record)
+        (80, 0.0, 5.0),  # its speed unknown yet (a peer that just joined): the limit
+        (80, float("nan"), 5.0),
+        (80, float("inf"), 5.0),
+        (0, 40.0, 0.0),  # nothing since the last round
+        (float("nan"), 40.0, 0.0),
+    ],
+)
+def test_straggler_patience(samples, slowest_speed, patience) -> None:
+    assert straggler_patience(samples, slowest_speed, limit=5.0) == pytest.approx(patience)
+
+
+def test_the_driver_waits_for_the_slowest_trainer_except_in_groups() -> None:
+    rounds = driver(slowest=40.0)
+    assert rounds.straggler_patience(80) == pytest.approx(2.0)
+    assert driver(slowest=1.0).straggler_patience(80) == pytest.approx(2.5)  # half the averaging timeout
+    rounds.in_groups = True  # rotating groups form when full: they never wait for the whole swarm
+    assert rounds.straggler_patience(80) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -146,7 +179,9 @@ class _Recorder(RoundHooks):
         self.events.append(("after", type(error).__name__ if error is not None else None))
 
 
-def driver(hooks: RoundHooks | None = None, *, swarm_epoch: int = 0, peers: int = 2, aux: int = 0) -> RoundDriver:
+def driver(
+    hooks: RoundHooks | None = None, *, swarm_epoch: int = 0, peers: int = 2, aux: int = 0, slowest: float = 0.0
+) -> RoundDriver:
     progress = GlobalTrainingProgress(
         epoch=swarm_epoch,
         samples_accumulated=0,
@@ -156,6 +191,7 @@ def driver(hooks: RoundHooks | None = None, *, swarm_epoch: int = 0, peers: int 
         eta_next_epoch=0.0,
         next_fetch_time=0.0,
         num_auxiliary=aux,
+        slowest_trainer_speed=slowest,
     )
     tracker = SimpleNamespace(global_progress=progress)
     return RoundDriver(tracker=tracker, matchmaking_time=0.5, averaging_timeout=5.0, local_epoch=lambda: 0, hooks=hooks)

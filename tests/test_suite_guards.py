@@ -1,5 +1,6 @@
 """The guards tests/conftest.py puts around the whole run: an empty selection fails, a run past its time
-budget stops with a summary instead of being cut off by CI, and a rerun keeps its test's timeout. Each
+budget stops with a summary instead of being cut off by CI, a rerun keeps its test's timeout, and property
+tests draw the same examples on every run. Each
 case runs pytest on a small test file beside copies of conftest.py and the helpers it imports."""
 
 import os
@@ -31,6 +32,20 @@ def test_fails_then_hangs():
 """
 
 
+DRAWS = """
+import pathlib
+
+from hypothesis import given, settings, strategies as st
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**60))
+def test_draws(x):
+    with pathlib.Path(__file__).with_name("drawn").open("a") as out:
+        out.write(f"{x}\\n")
+"""
+
+
 def run_pytest(directory: Path, test_file: str, *args: str, **env: str) -> tuple[int, str]:
     for helper in ("conftest.py", "swarm.py"):
         (directory / helper).write_text((TESTS / helper).read_text())
@@ -58,3 +73,14 @@ def test_a_rerun_that_hangs_is_cut_by_its_timeout(tmp_path: Path) -> None:
     returncode, output = run_pytest(tmp_path, HANGS_ON_ITS_RERUN, "--reruns", "1")
     assert returncode == 1, output
     assert "Timeout (>3.0s)" in output and "1 failed" in output and "1 rerun" in output, output
+
+
+def test_property_tests_draw_the_same_examples_on_every_run(tmp_path: Path) -> None:
+    drawn = []
+    for _ in range(2):
+        returncode, output = run_pytest(tmp_path, DRAWS)
+        assert returncode == 0, output
+        drawn.append((tmp_path / "drawn").read_text())
+        (tmp_path / "drawn").unlink()
+    # without conftest's profile: two different lists (20 draws from 2**60 do not collide)
+    assert drawn[0] == drawn[1] and len(set(drawn[0].split())) > 10

@@ -103,6 +103,9 @@ class GlobalTrainingProgress:
     eta_next_epoch: float  # DHT time at which the swarm is expected to reach target_batch_size
     next_fetch_time: float  # DHT time at which the tracker reads the records again
     samples_per_second: float = 0.0  # the live peers' speeds, summed (not in hivemind's record of this name)
+    #: the slowest live trainer's speed (capped like the others; 0 while one has measured none yet): how
+    #: long the swarm's straggler needs for a round's samples (see ``rounds.straggler_patience``)
+    slowest_trainer_speed: float = 0.0
     num_auxiliary: int = 0  # auxiliary peers among num_peers
     ignored: tuple[tuple[str, str], ...] = ()  # (peer id, why) of the records left out as implausible
 
@@ -382,6 +385,7 @@ def aggregate_progress(
         eta_next_epoch=now + seconds_to_epoch,
         next_fetch_time=now + seconds_to_fetch,
         samples_per_second=total_speed,
+        slowest_trainer_speed=min((e.speed for e in screening.counted if not e.record.auxiliary), default=0.0),
         num_auxiliary=sum(1 for peer in peers if peer.auxiliary),
         ignored=screening.ignored,
     )

@@ -3,7 +3,8 @@
 The Optimizer's gradient rounds, the algorithms' rounds (:class:`.AlgorithmRunner`), the auxiliary
 peer and asynchronous model averaging all ask this module the same questions:
 
-- when is the round scheduled, and when is its deadline (:func:`plan_round`);
+- when is the round scheduled, and when is its deadline (:func:`plan_round`); how long a round on a
+  peer's own clock waits for the swarm's slowest trainer (:func:`straggler_patience`);
 - how many peers to expect (:func:`expected_group_size`, :func:`contributing_members`);
 - when to start matchmaking ahead of the epoch's end (:func:`should_prepare_round`);
 - when to stop waiting (:func:`give_up_time`, :func:`should_abandon_search`);
@@ -21,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -158,14 +160,36 @@ def plan_round(
     averaging_timeout: float,
     eta: float | None = None,
     expected: int | None = None,
+    patience: float = 0.0,
 ) -> RoundPlan:
     """Schedules a round: at the swarm's estimated epoch end ``eta`` (now, if unknown or past) plus
     one matchmaking time, two when a group size is expected (the group then forms as soon as every
-    expected peer is looking; the later fallback lets peers that entered the epoch late still join).
+    expected peer is looking; the later fallback lets peers that entered the epoch late still join),
+    plus ``patience`` when a group size is expected (see :func:`straggler_patience`).
     ``averaging_timeout`` counts from the scheduled time: the round itself gets that long."""
     start = now if eta is None else max(eta, now)
-    scheduled = start + matchmaking_time * (2 if expected else 1)
+    scheduled = start + (matchmaking_time * 2 + max(0.0, patience) if expected else matchmaking_time)
     return RoundPlan(scheduled_time=scheduled, deadline=scheduled + averaging_timeout, expected_group_size=expected)
+
+
+def straggler_patience(samples: float, slowest_speed: float, *, limit: float) -> float:
+    """How much longer than its matchmaking window a round on each peer's own clock (DiLoCo's: every H
+    inner steps, wherever the swarm's epoch is) waits for the peers the swarm reports: the seconds the
+    slowest live trainer needs for this peer's ``samples`` since its last round, at most ``limit``
+    (``limit`` while that speed is unknown, e.g. a peer that just joined).
+
+    Peers that ended the last round in one group start the next together; the slowest reaches its end
+    that much later, and the group forms as soon as it is looking. Without this wait, peers of one
+    round index that drifted more than a matchmaking window apart (a slower pair, a loaded machine)
+    sealed separate groups at their own scheduled times, and went on doing so every round: nothing on
+    a peer's own clock pulls them back (the Optimizer's rounds share the swarm's epoch end instead).
+    A dead peer is still counted until its progress record expires; at its last speed it costs each
+    round about one of its rounds, and never more than ``limit``."""
+    if not (math.isfinite(samples) and samples > 0):
+        return 0.0
+    if not (math.isfinite(slowest_speed) and slowest_speed > 0):
+        return limit
+    return min(samples / slowest_speed, limit)
 
 
 def should_prepare_round(now: float, eta: float, matchmaking_time: float) -> bool:
@@ -295,9 +319,15 @@ class RoundDriver:
         return int(self.tracker.global_progress.num_trainers)
 
     def plan(
-        self, *, eta: float | None = None, last_group_size: int | None = None, expect_peers: bool = True
+        self,
+        *,
+        eta: float | None = None,
+        last_group_size: int | None = None,
+        expect_peers: bool = True,
+        patience: float = 0.0,
     ) -> RoundPlan:
-        """A round for now (or the epoch end ``eta``); ``expect_peers=False``: no expected group size."""
+        """A round for now (or the epoch end ``eta``); ``expect_peers=False``: no expected group size;
+        ``patience``: see :func:`plan_round` (:meth:`straggler_patience`)."""
         expected = expected_group_size(last_group_size, self.peers_seen) if expect_peers else None
         return plan_round(
             get_dht_time(),
@@ -305,7 +335,17 @@ class RoundDriver:
             averaging_timeout=self.averaging_timeout,
             eta=eta,
             expected=expected,
+            patience=patience,
         )
+
+    def straggler_patience(self, samples: float) -> float:
+        """:func:`straggler_patience` for a round on this peer's own clock after ``samples`` samples, with
+        the slowest trainer the tracker sees, at most half the averaging timeout. 0 in groups smaller
+        than the swarm (rotating groups form when full; they never wait for the whole swarm)."""
+        if self.in_groups:
+            return 0.0
+        slowest = float(self.tracker.global_progress.slowest_trainer_speed)
+        return straggler_patience(samples, slowest, limit=self.averaging_timeout / 2)
 
     def plan_after(self, report: Any, *, eta: float | None = None) -> RoundPlan:
         """The plan of a round that follows the round ``report`` describes (an averager's ``last_round``;

@@ -31,6 +31,12 @@ same moment, i.e. swapped states, then sat the next round out with weight 0, so 
 weight, failed too, and so on for good.) A peer alone (the progress tracker sees no other peer)
 applies the outer step to its own pseudo-gradient instead of waiting ``averaging_timeout`` for a group.
 
+Rounds are every H inner steps on each peer's own clock, not at the swarm's epoch end: a round waits
+for every peer the swarm reports for as long as the slowest live trainer needs for the round's samples
+(:func:`hivemind_ext.optim.rounds.straggler_patience`, at most half ``averaging_timeout``). Without it,
+peers of one round index that drifted more than a matchmaking window apart (a slower pair, a loaded
+machine) formed separate groups at their own scheduled times, every round, and ended on two models.
+
 Peers meet under one matchmaking key whatever their round: a peer that waited for a group past
 the end of the others' round could average with their NEXT round. So each round also averages the
 peers' round index (one uncompressed float, same weights). A peer whose index is below the group's

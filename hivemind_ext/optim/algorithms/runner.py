@@ -16,6 +16,7 @@ up at once.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +62,7 @@ class AlgorithmRunner:
         self.last_round: RoundReport | None = None
         self.blocked_seconds = 0.0  # time train_step spent in rounds that communicated
         self.epoch_samples = 0  # samples this peer processed in its current epoch
+        self.samples_since_round = 0  # samples this peer processed since its last communication
         self._averagers: dict[tuple[int, int], DecentralizedAverager] = {}
         self._build()
 
@@ -115,6 +117,7 @@ class AlgorithmRunner:
         """One ``Optimizer.step()``; returns whether the algorithm communicated (and updated the model)."""
         impl = self.impl
         impl.on_backward(batch_size)
+        self.samples_since_round += batch_size
         if impl.need_reset():
             impl.reset()
             self._close_averagers()
@@ -123,6 +126,7 @@ class AlgorithmRunner:
         if not impl.should_communicate():
             return False
         self.communicate()
+        self.samples_since_round = 0
         with self.context.state_lock:
             impl.optimizer_step()
             self.context.state.copy_to_model()
@@ -162,10 +166,15 @@ class AlgorithmRunner:
                 # with that epoch's (a late peer then stayed an epoch behind, missing round after round)
                 raise MatchmakingError("the swarm averaged this epoch before this peer reached its end")
             # the group forms as soon as every peer the swarm reports is looking, else at the scheduled
-            # time with whoever is (peers reach the epoch's end up to a tracker refresh apart)
+            # time with whoever is (peers reach the epoch's end up to a tracker refresh apart; rounds on
+            # the algorithm's own clock also wait for the swarm's slowest trainer to reach theirs)
             last = averager.last_round.group_size if averager.last_round is not None else None
-            plan = rounds.plan(last_group_size=last)
-            rounds.wait(plan.begin(averager, weight=weight), watch_swarm=epoch_rounds)
+            patience = 0.0 if epoch_rounds else rounds.straggler_patience(self.samples_since_round)
+            plan = rounds.plan(last_group_size=last, patience=patience)
+            # the speed this peer reports, which the others' patience follows, is its pace of inner steps:
+            # with the waits in it, peers waiting for a straggler looked slower and waited longer each round
+            with contextlib.nullcontext() if epoch_rounds else self.context.tracker.performance_ema.pause():
+                rounds.wait(plan.begin(averager, weight=weight), watch_swarm=epoch_rounds)
         except ROUND_ERRORS as e:
             self.failed_rounds += 1
             outcome = rounds.after_failure()
