@@ -9,7 +9,7 @@ import statistics
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from matchmaking_builders import board_of, config, declaration
 
@@ -33,6 +33,7 @@ from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Leadin
 from hivemind_ext.averaging.matchmaking.rotation import (
     DIGITS,
     Digits,
+    digits_without_group,
     grid_digits,
     initial_digits,
     next_digits,
@@ -114,11 +115,13 @@ def spread(values: dict[str, float]) -> float:
     return statistics.pstdev(values.values())
 
 
-# derandomized: the same 15 examples every run. Hypothesis found a swarm on which the rule stalls (count=129,
-# base=4, churn=0.0, seed=3: the spread stops at 0.039 of its start after round 4, above the 0.6**8 bound),
-# an open defect of the rule for uneven swarms without churn (issue 14), which random draws would hit in
-# some CI runs and not others.
-@settings(max_examples=15, deadline=None, derandomize=True)
+# Example: without rotation.digits_without_group the spread of this swarm stopped at 0.039 of its start after
+# round 4 (129 = 32 * 4 + 1: the same peer came last in the same shard every round and never averaged).
+# Measured over 18,000 random draws of these strategies with the rule (benchmarks/RESULTS.md, session 10): per-round
+# factor over 8 rounds at most 0.61, 0.65, 0.78 for these churn rates; without churn, over rounds 4-8 at most 0.73
+# (a stalled swarm: up to 1.0).
+@settings(max_examples=15, deadline=None)
+@example(count=129, base=4, churn=0.0, seed=3)
 @given(
     count=st.integers(20, 400),
     base=st.sampled_from([4, 8]),
@@ -130,18 +133,25 @@ def test_uneven_swarms_with_churn_converge_geometrically(count, base, churn, see
     coordinates = hashed_swarm(count, base)
     values = {peer: rnd.gauss(0, 1) for peer in coordinates}
     initial, joined = spread(values), count
+    halfway = initial
     for round_index in range(8):
+        if round_index == 4:
+            halfway = spread(values)
         present = {p: d for p, d in coordinates.items() if rnd.random() >= churn}  # the others miss this round
         groups = rotation_groups(present, base=base, depth=shard_depth(len(coordinates), base))
         average_round(groups, values, coordinates, base, f"{seed}/{round_index}")
+        grouped = {peer for group in groups for peer in group}
+        for peer in present.keys() - grouped:  # looked and found no group: as the averager moves them
+            coordinates[peer] = digits_without_group(coordinates[peer], peer, base)
         for peer in rnd.sample(sorted(coordinates), int(churn * len(coordinates) / 2)):  # some leave for good
             del coordinates[peer], values[peer]
         newcomers = hashed_swarm(int(churn * count / 2), base, first=joined)
         coordinates.update(newcomers)
         values.update({peer: values[rnd.choice(sorted(values))] for peer in newcomers})  # they load a peer's state
         joined += len(newcomers)
-    # the spread shrinks by a factor per round (measured at most 0.52, 0.62, 0.71 for these churn rates)
-    assert spread(values) < initial * {0.0: 0.6, 0.1: 0.7, 0.2: 0.8}[churn] ** 8
+    # the spread shrinks by a factor per round, and without churn in the later rounds too (a stall shows there)
+    assert spread(values) < initial * {0.0: 0.67, 0.1: 0.72, 0.2: 0.85}[churn] ** 8
+    assert churn or spread(values) <= halfway * 0.85**4
 
 
 # ---------------------------------------------------------------- shards and records

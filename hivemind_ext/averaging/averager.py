@@ -42,7 +42,7 @@ from hivemind_ext.averaging.matchmaking.confirmation import Confirmations
 from hivemind_ext.averaging.matchmaking.group import GroupInfo
 from hivemind_ext.averaging.matchmaking.group_key import check_group_bits, next_group_bits_of
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
-from hivemind_ext.averaging.matchmaking.rotation import initial_digits, next_digits
+from hivemind_ext.averaging.matchmaking.rotation import digits_without_group, initial_digits, next_digits
 from hivemind_ext.averaging.round_stats import round_stats_of
 from hivemind_ext.averaging.scratch import RoundBuffers, ScratchBuffers
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
@@ -505,6 +505,14 @@ class DecentralizedAverager:
         if self._digits and target is not None:
             self._digits = next_digits(self._digits, group.group_id, members.index(me), len(members), target)
 
+    def _move_digits_alone(self) -> None:
+        """After a search that found no group: rotating coordinates move as a group of one would
+        (:func:`.matchmaking.rotation.digits_without_group`), so that a peer left over does not come
+        last in the same shard again next round."""
+        target = self.matchmaking_config.target_group_size
+        if self._digits and target is not None and self._matchmaker is not None:
+            self._digits = digits_without_group(self._digits, self._matchmaker.peer_id.to_base58(), target)
+
     # ----- tensors and state
 
     @contextlib.contextmanager
@@ -664,14 +672,18 @@ class DecentralizedAverager:
         assert self._matchmaker is not None and self._service is not None
         control.stage = AveragingStage.LOOKING_FOR_GROUP
         async with self._looking:
-            group = await self._matchmaker.look_for_group(
-                deadline=control.deadline,
-                scheduled_time=control.scheduled_time,
-                expected_group_size=control.expected_group_size,
-                group_bits=self._group_bits,
-                digits=() if self._group_bits else self._digits,
-                bandwidth=self.declared_bandwidth,
-            )
+            try:
+                group = await self._matchmaker.look_for_group(
+                    deadline=control.deadline,
+                    scheduled_time=control.scheduled_time,
+                    expected_group_size=control.expected_group_size,
+                    group_bits=self._group_bits,
+                    digits=() if self._group_bits else self._digits,
+                    bandwidth=self.declared_bandwidth,
+                )
+            except MatchmakingError:
+                self._move_digits_alone()
+                raise
         self._move_group_bits(group)
         if not control.triggered:
             control.stage = AveragingStage.AWAITING_TRIGGER
