@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -243,9 +244,11 @@ class _Swarm:
 
     def __init__(self, swarm_epoch: int = 0) -> None:
         self.hooks = _FailEveryRound()
-        tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=3, num_trainers=3, epoch=swarm_epoch))
+        progress = SimpleNamespace(num_peers=3, num_trainers=3, epoch=swarm_epoch, slowest_trainer_speed=0.0)
+        # the runner pauses the tracker's speed estimate while a round on its own clock waits
+        self.tracker = SimpleNamespace(global_progress=progress, performance_ema=SimpleNamespace(pause=nullcontext))
         self.rounds = RoundDriver(
-            tracker=tracker, matchmaking_time=0.5, averaging_timeout=5.0, local_epoch=lambda: 0, hooks=self.hooks
+            tracker=self.tracker, matchmaking_time=0.5, averaging_timeout=5.0, local_epoch=lambda: 0, hooks=self.hooks
         )
         self.resyncs = 0
 
@@ -269,7 +272,11 @@ def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algo
     optimizer = _Swarm()
     params = [torch.randn(3, 2), torch.randn(4)]
     context = SimpleNamespace(
-        params=params, grad_compression=None, rounds=optimizer.rounds, request_resync=optimizer.request_resync
+        params=params,
+        grad_compression=None,
+        rounds=optimizer.rounds,
+        request_resync=optimizer.request_resync,
+        tracker=optimizer.tracker,
     )
     impl = impl_class(context)
     results: list[bool] = []
@@ -294,7 +301,11 @@ def test_a_failed_round_keeps_local_values_and_asks_for_a_resync_unless_the_algo
 
 def _runner_in(optimizer: _Swarm, impl_class: type[AlgorithmImpl] = AlgorithmImpl):
     context = SimpleNamespace(
-        params=[torch.randn(3)], grad_compression=None, rounds=optimizer.rounds, request_resync=optimizer.request_resync
+        params=[torch.randn(3)],
+        grad_compression=None,
+        rounds=optimizer.rounds,
+        request_resync=optimizer.request_resync,
+        tracker=optimizer.tracker,
     )
     impl = impl_class(context)
     results: list[bool] = []
