@@ -407,6 +407,11 @@ def test_a_late_peer_on_the_last_board_is_taken_into_a_sealed_group_below_the_ta
     its = step(first.state, now + 0.01 + 0.6 * cfg.poll_interval, alone, cfg)
     assert isinstance(its.state, Leading) and its.state.group.leader == on_last_board(0).member
     assert its.state.group.keys == group.keys | {on_last_board(0).member.key}
+    # a seal whose commit time is further than one request timeout (a hostile leader's) is not sealed again
+    far = replace(group, commit_by=now + 60.0)
+    hostile = board_of(sealed={far.group_id: far}, markers={m.key: far.group_id for m in far.members})
+    waited = step(lower, now + 0.01, hostile, cfg).state
+    assert step(waited, now + 0.01 + 0.6 * cfg.poll_interval, hostile, cfg).writes == ()
     # a board that is not the last one takes nobody late: its lonely peers fall back instead
     shard = replace(cfg, shard_depth=1)
     assert step(seen.state, now + 0.01 + 0.6 * cfg.poll_interval, board, shard).writes[0].subkey.startswith("c/")
