@@ -39,7 +39,6 @@ from hivemind_ext.averaging.matchmaking.group import (
     group_id_for,
 )
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker
-from hivemind_ext.averaging.matchmaking.rotation import DIGITS
 from hivemind_ext.errors import ConfigurationError, MatchmakingError, MessageTooLargeError
 from hivemind_ext.p2p.client import RPCClient
 from hivemind_ext.p2p.loop_thread import LoopThread
@@ -523,59 +522,3 @@ def test_honest_peers_leave_a_hostile_leader_and_regroup(swarm, network, desk) -
     assert {m.peer_id for m in group.members} == peer_ids(swarm, honest)
     print(f"{desk.__name__}: the honest peers regrouped in {elapsed * 1000:.0f} ms")
     assert elapsed < 10.0
-
-
-async def _has_sealed(dht: hivemind.DHT, name: str) -> bool:
-    return bool((await _board(dht, name)).sealed)
-
-
-@pytest.mark.timeout(90)
-def test_a_late_peer_on_the_last_board_is_taken_into_a_direct_group_whose_members_move_over(swarm, network) -> None:
-    # A, B and a peer D that died after declaring meet on the prefix's board of a sharded swarm (each fell
-    # back from its own shard); A seals the three and waits for D; C falls back there late. Before, A
-    # committed A and B once D's declaration showed a missed refresh, and C waited alone until its
-    # deadline. Now A seals again with C; B, which called A for the old seal, is answered with its
-    # abandoned commit only once the new seal is stored, finds that seal on the board and joins it.
-    a, b, c = by_peer_id(swarm, range(AUXILIARY))[:3]
-    name, digits = prefix(), {k: (0,) * (DIGITS - 1) + (k,) for k in range(4)}
-    victim_dht = new_peer(addresses(swarm[0]))
-    for _ in range(5):  # A leads any group it is in: the dead peer must not sort before it
-        if victim_dht.peer_id.to_base58() > swarm[a].peer_id.to_base58():
-            break
-        victim_dht.shutdown()
-        victim_dht = new_peer(addresses(swarm[0]))
-    try:
-        victim = Matchmaker(MatchmakingConfig(prefix=name, target_group_size=4, request_timeout=3.0), dht=victim_dht)
-
-        async def search(peer: Matchmaker, shard: int, deadline: float) -> GroupInfo:
-            now = get_dht_time()
-            return await peer.look_for_group(
-                deadline=deadline, scheduled_time=now, digits=digits[shard], expected_group_size=16
-            )
-
-        async def scenario():
-            scopes, desks = await _desks(network, (a, b, c), {})
-            try:
-                peers = direct_matchmakers(swarm, (a, b, c), desks, name, request_timeout=3.0)
-                deadline = get_dht_time() + 20
-                dying = asyncio.create_task(search(victim, 3, deadline))
-                await _until(lambda: _has_declarations(swarm[a], name, 1))  # it fell back to the prefix's board
-                await asyncio.to_thread(victim_dht.shutdown)  # dies without withdrawing
-                first = [asyncio.create_task(search(peers[i], i, deadline)) for i in (0, 1)]
-                await _until(lambda: _has_sealed(swarm[a], name))
-                late = asyncio.create_task(search(peers[2], 2, deadline))
-                results = await asyncio.gather(*first, late, return_exceptions=True)
-                await asyncio.gather(dying, return_exceptions=True)
-                board = await _board(swarm[4], name)
-                return results, board, desks
-            finally:
-                for scope in scopes:
-                    await scope.shutdown()
-
-        results, board, desks = network.run(scenario(), timeout=80)
-    finally:
-        victim_dht.shutdown()
-    (group,) = groups_of(results).values()
-    assert {m.peer_id for m in group.members} == peer_ids(swarm, (a, b, c))
-    assert len(board.sealed) >= 2 and all(sealed.direct for sealed in board.sealed.values())
-    assert sum(desk.refused for desk in desks) == 0

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from matchmaking_builders import board_of, config, declaration, member
+from matchmaking_builders import board_of, config, declaration
 
 from hivemind_ext.averaging.matchmaking.board import (
     board_key,
@@ -20,19 +20,16 @@ from hivemind_ext.averaging.matchmaking.board import (
     marker_write,
     parse_board,
     parse_record,
-    sealed_write,
 )
 from hivemind_ext.averaging.matchmaking.group import (
     Commit,
     Declaration,
     GroupInfo,
     MatchmakingConfig,
-    SealedGroup,
-    group_id_for,
     looking_peers,
     plan_groups,
 )
-from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Following, Leading, Looking, fall_back, step
+from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Leading, Looking, fall_back, step
 from hivemind_ext.averaging.matchmaking.rotation import (
     DIGITS,
     Digits,
@@ -350,137 +347,3 @@ def test_dead_peers_and_hostile_markers_keep_no_honest_peer_out_of_a_group(count
     assert all(hostile.member.peer_id not in {m.peer_id for m in g.members} for g in groups)
     assert count - dying - len(result.groups) < cfg.min_group_size, "every honest peer that could be grouped was"
     assert max(result.found_at.values()) < 1.0 + 3 * cfg.request_timeout, "held back by a few timeouts at most"
-
-
-# ---------------------------------------------------------------- late peers on the last board (protocol._take_late)
-
-
-def last_board(**overrides) -> MatchmakingConfig:
-    """The prefix's board of a sharded swarm of 64 in groups of 4: nobody falls back from it."""
-    return config(target_group_size=4, digits=(0,) * DIGITS, shard_depth=0, expected_group_size=64, **overrides)
-
-
-def on_last_board(index: int, **kwargs) -> Declaration:
-    return replace(declaration(index, ready_at=0.0, **kwargs), digits=(0,) * DIGITS)
-
-
-def test_a_late_peer_on_the_last_board_is_taken_into_a_sealed_group_below_the_target() -> None:
-    # It fell back to the prefix's board after every other peer there had sealed a group, and waited
-    # alone until its deadline (1,000 simulated peers: a live peer in no group in 9 of 16 runs).
-    cfg, now = last_board(), 50.0
-    sealed = step(Looking(on_last_board(1)), now, board_of(on_last_board(1), on_last_board(2)), cfg)
-    leading, group = sealed.state, sealed.state.group
-    assert isinstance(leading, Leading) and len(group.members) == 2
-    board = board_of(
-        on_last_board(5), sealed={group.group_id: group}, markers={m.key: group.group_id for m in group.members}
-    )
-    # a group below the target holds its commit two polls, and takes the late peer once seen half a poll
-    seen = step(leading, now + 0.01, board, cfg)
-    assert seen.group is None and seen.writes == () and seen.state.late is not None
-    taken = step(seen.state, now + 0.01 + 0.6 * cfg.poll_interval, board, cfg)
-    again = taken.state
-    assert isinstance(again, Leading) and again.took_late and again.absorbed == group.group_id
-    assert again.group.members == (*group.members, on_last_board(5).member)
-    assert again.group.commit_by == group.commit_by  # the commit time does not move
-    new_seal, marker, abandon = taken.writes
-    assert new_seal.subkey == f"g/{again.group.group_id}" and marker.value["group"] == again.group.group_id
-    assert abandon.subkey == f"c/{group.group_id}" and abandon.value == {"members": []}
-    # its member moves over: read the abandoned seal, joins the new one; the leader waits for it meanwhile
-    after = board_of(
-        on_last_board(5),
-        sealed={group.group_id: group, again.group.group_id: again.group},
-        markers={member.key: group.group_id for member in group.members[1:]},
-        commits={group.group_id: Commit(group.group_id, ())},
-    )
-    assert step(again, now + 0.1, after, cfg).group is None
-    moved = step(Following(on_last_board(2), group), now + 0.1, after, cfg)
-    assert isinstance(moved.state, Following) and moved.state.group == again.group
-    joined = replace(after, markers={d.key: again.group.group_id for d in again.group.members})
-    assert step(again, now + 0.1, joined, cfg).group.size == 3
-    # at most once per group: the new seal takes no other late peer
-    other = replace(joined, declarations={on_last_board(6).member.key: on_last_board(6)}, markers={})
-    assert step(replace(again, late=(on_last_board(6).member.key, now)), now + 0.2, other, cfg).writes == ()
-    # a peer that sorts before the leader seals the same union itself, as its leader
-    lower, alone = Looking(on_last_board(0)), replace(board, declarations={})
-    first = step(lower, now + 0.01, alone, cfg)
-    assert first.writes == () and first.state.late == (group.group_id, now + 0.01)
-    its = step(first.state, now + 0.01 + 0.6 * cfg.poll_interval, alone, cfg)
-    assert isinstance(its.state, Leading) and its.state.group.leader == on_last_board(0).member
-    assert its.state.group.keys == group.keys | {on_last_board(0).member.key}
-    # a seal whose commit time is further than one request timeout (a hostile leader's) is not sealed again
-    far = replace(group, commit_by=now + 60.0)
-    hostile = board_of(sealed={far.group_id: far}, markers={m.key: far.group_id for m in far.members})
-    waited = step(lower, now + 0.01, hostile, cfg).state
-    assert step(waited, now + 0.01 + 0.6 * cfg.poll_interval, hostile, cfg).writes == ()
-    # a board that is not the last one takes nobody late: its lonely peers fall back instead
-    shard = replace(cfg, shard_depth=1)
-    assert step(seen.state, now + 0.01 + 0.6 * cfg.poll_interval, board, shard).writes[0].subkey.startswith("c/")
-
-
-def test_a_live_peer_falling_back_late_is_grouped_among_100_simulated_peers() -> None:
-    # before: one live peer ended in no group (it reached the prefix's board after every other one there sealed)
-    cfg = config(target_group_size=4, min_matchmaking_time=1.0)
-    coordinates = hashed_swarm(100, 4)
-    result = simulate_round(
-        coordinates, cfg, swarm_size=100, seed=0, max_lag=0.05, spread=0.5, scheduled_time=1.0, until=8.0
-    )
-    committed(dict(result.groups))
-    assert result.ungrouped == ()
-    assert result.polls_to_group < 10
-
-
-@settings(max_examples=10, deadline=None)
-@given(
-    count=st.integers(10, 150),
-    base=st.sampled_from([4, 8]),
-    seed=st.integers(0, 2**32),
-    max_lag=st.sampled_from([0.0, 0.05, 0.2, 0.4]),
-    spread=st.sampled_from([0.1, 0.5, 1.0]),
-    per_record=st.booleans(),
-    dying=st.integers(0, 3),
-)
-def test_sharded_swarms_with_late_peers_agree_on_every_group(count, base, seed, max_lag, spread, per_record, dying):
-    cfg = config(target_group_size=base, min_matchmaking_time=1.0)
-    coordinates = hashed_swarm(count, base)
-    dead = sorted(coordinates)[:: max(1, count // 3)][:dying]
-    result = simulate_round(
-        coordinates,
-        cfg,
-        swarm_size=count,
-        seed=seed,
-        max_lag=max_lag,
-        spread=spread,
-        dying=dead,
-        scheduled_time=1.0,
-        until=10.0,
-        per_record=per_record,
-    )
-    groups = committed(dict(result.groups))  # no peer in two groups, members agree
-    for group in groups:
-        for m in group.members:  # with lag below LAG_MARGIN, every committed member read its commit
-            assert m.peer_id in dead or result.groups.get(m.peer_id) == group, "a committed member missed its group"
-    assert len(result.ungrouped) < count, "nobody grouped"
-
-
-def test_hostile_peers_on_the_last_board_cost_late_taking_a_timeout_at_most_and_split_nobody() -> None:
-    # A peer that asks to be taken late (it declares on the prefix's board, sorting after every leader,
-    # and never joins), and a leader that re-seals, again and again, a group below the target listing
-    # peers that never declared and a commit time far ahead (an honest late peer that sorts first would
-    # seal it again with itself, see protocol._join_late): honest peers wait a commit time at most.
-    cfg = config(target_group_size=4, min_matchmaking_time=1.0)
-    coordinates = hashed_swarm(64, 4, first=1)
-    digits = initial_digits(simulated_peer_id(999), 4)
-    asks = Declaration(**{**declaration(999, ready_at=0.0, deadline=60.0, expiration=60.0).__dict__, "digits": digits})
-    planted = [(board_key("run"), declaration_write(asks), 1.0)]
-    for round_index, at in enumerate((0.9, 1.1, 1.3, 1.6, 2.0)):
-        ghosts = tuple(member(i, attempt=round_index) for i in (2000, 2001))
-        made_up = SealedGroup(group_id_for((member(998), *ghosts)), (member(998), *ghosts), 60.0)
-        planted.append((board_key("run"), sealed_write(made_up, 60.0), at))
-    result = simulate_round(
-        coordinates, cfg, swarm_size=64, seed=2, max_lag=0.05, spread=0.5, scheduled_time=1.0, planted=planted
-    )
-    groups = committed(dict(result.groups))  # no peer in two groups, members agree
-    hostile = {simulated_peer_id(i) for i in (998, 999, 2000, 2001)}
-    assert all(not hostile & {m.peer_id for m in g.members} for g in groups)
-    assert len(result.ungrouped) < cfg.min_group_size, "every honest peer that could be grouped was"
-    assert max(result.found_at.values()) < 1.0 + 2 * cfg.request_timeout, "held back by a commit time at most"

@@ -89,12 +89,6 @@ Failure modes
   ``request_timeout`` (the next after half, and so on: :data:`.protocol.DEPUTY_FRACTION`); a
   slow but live leader that seals too wins, and the deputy gives way. Others are delayed by a
   fraction of ``request_timeout``, never hung.
-- *A peer reaches the last board late.* In a sharded swarm, a peer that falls back to the prefix's
-  board after every other peer there sealed a group is taken into a sealed group below the target:
-  its leader seals the group again with it and abandons the old seal, and the members move over
-  (:mod:`.protocol`, "Late peers"). The leader of a direct group stores the new seal before it
-  answers its callers with the abandoned commit, so that they find the new seal when they read the
-  board next.
 - *The leader dies after sealing.* Its members wait for the commit until ``request_timeout`` past
   the commit time, mark their attempt as left, and look again.
 - *Different views.* Peers may read slightly different snapshots and plan different groups; two
@@ -361,7 +355,7 @@ class Matchmaker:
                     if type(result.state) is not type(state):
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
                     previous, state = state, result.state  # before the writes: if they are cancelled, withdraw from it
-                    resealed = self._track_direct_group(previous, result)
+                    self._track_direct_group(previous, result)
                     if result.fall_back:  # my shard is too empty: on to the coarser shard's board
                         state, board = await self._fall_back(state.declaration), Board()
                         continue
@@ -378,12 +372,7 @@ class Matchmaker:
                     # same moment are on the board by now. After any other write, nobody has answered yet.
                     read_now = bool(result.writes) and isinstance(state, Looking)
                     if result.writes:
-                        try:
-                            _, board = await self._exchange(result.writes, read_now, declaration.deadline)
-                        finally:
-                            if resealed is not None and self.confirmations is not None:
-                                # only now that the new seal is stored: its callers read it next
-                                self.confirmations.settle(resealed)
+                        _, board = await self._exchange(result.writes, read_now, declaration.deadline)
                 if not read_now:
                     pause = self.config.poll_interval * (URGENT_POLL_FRACTION if urgent else 1.0)
                     if _awaits_calls(self.confirmations, state) and board is not None:
@@ -403,27 +392,18 @@ class Matchmaker:
         self.confirmations.changed.clear()  # calls from now on wake the next wait
         return with_confirmations(board, state.group, self.confirmations.confirmed(state.group.group_id))
 
-    def _track_direct_group(self, previous: State, result: Step) -> Commit | None:
+    def _track_direct_group(self, previous: State, result: Step) -> None:
         """Opens this peer's desk for a direct group it just sealed, and answers its callers once the
-        group is committed or abandoned. A group sealed again with a late peer (see
-        :func:`.protocol._take_late`) is abandoned in favour of the new seal, which its callers find
-        on the board once the abandoning answer reaches them: that answer is returned here, to be
-        given only once the step's writes (the new seal first) are stored."""
+        group is committed or abandoned."""
         if self.confirmations is None:
-            return None
+            return
         state = result.state
         if isinstance(previous, Leading) and previous.group.direct:
             if result.group is not None or not isinstance(state, Leading) or state.group != previous.group:
                 members = result.group.members if result.group is not None else ()
-                commit = Commit(previous.group.group_id, tuple(m.key for m in members))
-                if isinstance(state, Leading) and result.group is None and state.absorbed == previous.group.group_id:
-                    if state.group.direct:
-                        self.confirmations.open(state.group)
-                    return commit
-                self.confirmations.settle(commit)
+                self.confirmations.settle(Commit(previous.group.group_id, tuple(m.key for m in members)))
         elif isinstance(state, Leading) and state.group.direct:
             self.confirmations.open(state.group)
-        return None
 
     async def _read_unless_called(self, board: Board, deadline: float) -> Board:
         """A direct group's leader reads the board once a poll interval (members that went elsewhere,

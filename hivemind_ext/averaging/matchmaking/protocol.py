@@ -8,33 +8,6 @@ members agree, and its failure modes) is described in that module's docstring.
 
 States: :class:`Looking` (declared, waiting for a group), :class:`Leading` (sealed a group, waiting
 for confirmations), :class:`Following` (confirmed a sealed group, waiting for its commit).
-
-Late peers on the last board. In a sharded swarm (see :mod:`.rotation`), peers that found no group
-in their shard fall back, shard after shard, to the prefix's board, each at its own time; one that
-arrived there after every other peer on it had sealed a group used to wait alone until its deadline
-(1,000 simulated peers in groups of 8: a live peer in no group in 9 of 16 runs). On that board only
-(:func:`_takes_late`):
-
-- a group sealed below ``target_group_size`` commits no earlier than :data:`LATE_HOLD_POLLS` poll
-  intervals after its seal;
-- its leader, seeing a looking peer that no plan groups (for :data:`LATE_SEEN_FRACTION` of a poll,
-  so that a peer just arriving with others is grouped with them instead), seals the group again with
-  that peer added, with the same commit time, and abandons the old seal in the same store, new seal
-  first (:func:`_take_late`). Its members read the abandoned commit and join the new seal, which
-  lists their attempts (the rule that makes a member left out of a commit join another open seal
-  listing it); the leader waits for them meanwhile (:func:`_coming`). At most once per group;
-- a late peer that sorts before the leader (a group's leader is its first member) seals the same
-  union itself, as its leader (:func:`_join_late`); the old leader gives way to the lower leader's
-  seal that lists it, as any leader does, and its members follow as above. Only a seal whose commit
-  time is within one ``request_timeout``, as an honest leader's is.
-
-Why members still agree: nothing here commits anyone: a re-seal is an ordinary seal, the old group
-is abandoned by its one leader before anyone could be committed to it, and each member is
-committed to at most the one group it confirmed. What a hostile peer can do with it: one that asks
-to be taken late and never joins costs the group its commit time at most (the leader commits
-without it then, as without any silent member); a hostile leader's seals list only attempts it
-read, as before, and a late peer that seals one again waits until its commit time at most, then
-leaves that leader out of its plans (as any silent member).
 """
 
 from __future__ import annotations
@@ -59,7 +32,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     looking_peers,
 )
 from hivemind_ext.averaging.matchmaking.lifetimes import commit_writes, marker_record, seal_record
-from hivemind_ext.averaging.matchmaking.rotation import coarser, shard_depth
+from hivemind_ext.averaging.matchmaking.rotation import coarser
 from hivemind_ext.averaging.matchmaking.timing import plan_ahead
 
 REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left
@@ -102,16 +75,6 @@ shard's board (the shard holds fewer than ``target_group_size`` peers) moves to 
 (see :mod:`.rotation`). Reads count too: on a loaded machine a read can take several poll
 intervals, and a peer that left before it could see its shard's peers would stall them."""
 
-LATE_HOLD_POLLS = 2
-"""On the last board of a sharded swarm (see :func:`_takes_late`), a group sealed below
-``target_group_size`` commits no earlier than this many poll intervals after it was sealed, so
-that a peer still falling back from a finer shard has a chance to be taken into it."""
-
-LATE_SEEN_FRACTION = 1 / 2
-"""A looking peer that no plan groups is taken late only once it has been seen so for this share
-of ``poll_interval``: taking it at once raced with peers arriving on the board (1,000 simulated
-peers: a peer listed in two seals ended in neither, 5 runs of 16)."""
-
 
 Ignored = tuple[tuple[str, float], ...]  # (peer id, DHT time until which it is left out of plans)
 
@@ -135,7 +98,6 @@ class Looking:
     ignored: Ignored = ()
     arrived: float | None = None  # when it came to this shard's board (None: when it declared)
     reads: int = 0  # boards read since then
-    late: tuple[str, float] | None = None  # (sealed group it could join late, first seen then): see _join_late
 
 
 @dataclass(frozen=True)
@@ -154,10 +116,6 @@ class Leading:
     ignored: Ignored = ()  # carried over from Looking: see there
     full_until: float = -math.inf
     gone: frozenset[PeerKey] = frozenset()  # members seen with a declaration that missed its refresh (STALE_LEFT)
-    sealed_at: float = -math.inf  # when it sealed ``group`` (LATE_HOLD_POLLS)
-    took_late: bool = False  # ``group`` took a late peer already (see _take_late): at most once per group
-    late: tuple[PeerKey, float] | None = None  # (a looking peer no plan groups, first seen then)
-    absorbed: str | None = None  # the group that ``group`` sealed again with a late peer (_take_late, _join_late)
 
 
 @dataclass(frozen=True)
@@ -259,10 +217,6 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     stranded = mine is None or deputy == ()  # planned only with overdue peers: as good as no group
     if stranded and config.shard_depth > 0 and (waited or now >= me.ready_at):
         return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no full group here
-    if mine is None and _takes_late(config):
-        state, late = _join_late(state, me, now, board, config, direct)
-        if late is not None:
-            return late
     if mine is None or mine[0].member != me.member:
         # In a planned group: its leader seals soon. Just started looking: peers that start at the same
         # moment (as in synchronous training) are declaring right now. Either way, read again soon.
@@ -286,102 +240,7 @@ def _lead(
     writes = (seal_record(sealed, config), confirm)
     due = min(d.ready_at for d in mine)
     full_until = due if due > now and start_at <= now else -math.inf  # a full group, not one sealed ahead
-    return Step(Leading(joined, sealed, state.ignored, full_until, sealed_at=now), writes, urgent=True)
-
-
-def _takes_late(config: MatchmakingConfig) -> bool:
-    """Whether this board takes late peers into sealed groups (:func:`_join_late`, :func:`_take_late`):
-    the last board of a sharded swarm (the prefix's), which peers reach by falling back from finer
-    shards at different times and from which nobody falls back any further."""
-    target, expected = config.target_group_size, config.expected_group_size
-    if not config.digits or config.shard_depth or target is None or expected is None:
-        return False
-    return shard_depth(expected, target) > 0
-
-
-def _late_seal(members: tuple[Member, ...], commit_by: float, start_at: float, direct: bool) -> SealedGroup:
-    """A sealed group and a late peer, sealed again as one group, with the old group's commit time."""
-    members = tuple(sorted(members, key=lambda m: m.key))
-    return SealedGroup(group_id_for(members), members, commit_by, start_at, direct)
-
-
-def _join_late(
-    state: Looking, me: Declaration, now: float, board: Board, config: MatchmakingConfig, direct: bool
-) -> tuple[Looking, Step | None]:
-    """A looking peer that no plan groups, on the last board (:func:`_takes_late`), seals an open group
-    below the target that a junior leader sealed, with itself added, as its leader: that leader then
-    gives way (:func:`_step_leading`), abandons its group, and its members, reading that, join this
-    seal, which lists their attempts. The mirror of :func:`_take_late`, for a late peer that sorts
-    before the group's leader (a group's leader is its first member). Only after the group was seen
-    open for :data:`LATE_SEEN_FRACTION` of a poll, and never moving the commit time."""
-    ignored = {peer for peer, until in state.ignored if until > now}
-    candidates = [
-        g
-        for g in board.sealed.values()
-        if is_open(g, now, board)
-        and len(g.members) < (config.target_group_size or 0)
-        and me.member.key < g.leader.key
-        and g.leader.peer_id not in ignored
-        and all(m.peer_id != me.member.peer_id for m in g.members)
-        and now + config.poll_interval < min(g.commit_by, me.deadline - config.poll_interval)
-        and g.commit_by <= now + config.request_timeout  # as an honest leader seals: never a longer wait
-    ]
-    if not candidates:
-        return replace(state, late=None), None
-    group = min(candidates, key=lambda g: g.group_id)
-    if state.late is None or state.late[0] != group.group_id:
-        return replace(state, late=(group.group_id, now)), None
-    if now - state.late[1] < LATE_SEEN_FRACTION * config.poll_interval:
-        return state, None
-    commit_by = min(group.commit_by, me.deadline - config.poll_interval)
-    sealed = _late_seal((me.member, *group.members), commit_by, group.start_at, direct)
-    joined, confirm = _mark(me, sealed, now, config)
-    leading = Leading(joined, sealed, state.ignored, sealed_at=now, took_late=True, absorbed=group.group_id)
-    return state, Step(leading, (seal_record(sealed, config), confirm), urgent=True)
-
-
-def _take_late(state: Leading, now: float, board: Board, config: MatchmakingConfig) -> Leading | Step:
-    """The leader of a sealed group below the target on the last board (:func:`_takes_late`) takes a
-    looking peer that no plan groups (it came after every other peer there was sealed), seen so for
-    :data:`LATE_SEEN_FRACTION` of a poll: it seals the group again with that peer, with the same
-    commit time, and abandons the old seal; its members, reading that, join the new seal, which lists
-    their attempts (:func:`_step_following`), and the leader waits for them meanwhile (:func:`_coming`).
-    At most once per group. Returns the state to go on with, or the step that seals again."""
-    group, me = state.group, state.declaration.member
-    if state.took_late or not _takes_late(config) or len(group.members) >= (config.target_group_size or 0):
-        return state
-    if now + config.poll_interval >= group.commit_by:
-        return state
-    ignored = {peer for peer, until in state.ignored if until > now}
-    usable = {key: d for key, d in board.declarations.items() if d.member.peer_id not in ignored}
-    looking = looking_peers(now, replace(board, declarations=usable), config)
-    planned = {d.member.key for planned_group, _ in plan_ahead(now, looking, config) for d in planned_group}
-    members = {m.peer_id for m in group.members}
-    late = next(
-        (
-            d
-            for d in looking
-            if d.member.key not in planned
-            and d.member.key > me.key
-            and d.member.peer_id not in members
-            and not _stale(d, now, config)
-            and d.deadline > group.commit_by + config.poll_interval
-        ),
-        None,
-    )
-    if late is None:
-        return replace(state, late=None)
-    if state.late is None or state.late[0] != late.member.key:
-        return replace(state, late=(late.member.key, now))
-    if now - state.late[1] < LATE_SEEN_FRACTION * config.poll_interval:
-        return state
-    sealed = _late_seal((*group.members, late.member), group.commit_by, group.start_at, group.direct)
-    joined, confirm = _mark(state.declaration, sealed, now, config)
-    abandoned = commit_writes(group, (), now, config)
-    leading = replace(
-        state, declaration=joined, group=sealed, sealed_at=now, took_late=True, late=None, absorbed=group.group_id
-    )
-    return Step(leading, (seal_record(sealed, config), confirm, *abandoned), urgent=True)
+    return Step(Leading(joined, sealed, state.ignored, full_until), writes, urgent=True)
 
 
 def _deputy(
@@ -437,19 +296,13 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         abandoned = commit_writes(group, (), now, config)
         joined = _join(state.declaration, min(senior, key=lambda g: g.group_id), now, config, state.ignored)
         return replace(joined, writes=(*abandoned, *joined.writes))
-    taken = _take_late(state, now, board, config)
-    if isinstance(taken, Step):
-        return taken
-    state = taken
     others = [m for m in group.members if m != me]
     confirmed = {me.key} | {m.key for m in others if board.markers.get(m.key) == group.group_id}
     # once seen not refreshing, a member is not waited for again: its declaration then expires, and a
     # member without any record on the board is waited for (in a direct group it may be calling)
     stale = {m.key for m in others if m.key not in board.markers and _stale(board.declarations.get(m.key), now, config)}
     state = replace(state, gone=state.gone | stale)
-    waiting = any(m.key not in state.gone and _coming(m, group, me, now, board, state.absorbed) for m in others)
-    # on the last board, a group below the target holds its commit a little for a late peer (_take_late)
-    waiting = waiting or (_takes_late(config) and _held(state, now, config))
+    waiting = any(m.key not in state.gone and _coming(m, group, me, now, board) for m in others)
     if waiting and now < group.commit_by:
         return Step(state, urgent=True)
     members = tuple(m for m in group.members if m.key in confirmed)
@@ -515,7 +368,7 @@ def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingCo
     return Step(Following(joined, group, ignored), (confirm,), urgent=True)
 
 
-def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: Board, absorbed: str | None) -> bool:
+def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: Board) -> bool:
     """Whether the leader ``me`` of ``group`` should still wait for ``member``: it has not marked its
     attempt yet (it has not seen the group, or its marker is not visible yet), or it joined a group
     whose leader is a junior member of this one, which gives way to this group (see
@@ -524,20 +377,9 @@ def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: B
         return True
     joined = board.markers[member.key]
     other = board.sealed.get(joined) if joined is not None and joined != group.group_id else None
-    if joined is not None and joined == absorbed:
-        # its group was sealed again with a late peer as this one: it moves here once it reads that (unless
-        # that group committed with it after all, or it looked again under a new attempt instead)
-        commit = board.commits.get(joined)
-        return (commit is None or not commit.members) and not _other_attempt(member, board)
     if other is None or not is_open(other, now, board):
         return False
     return other.leader.key in group.keys and other.leader.key > me.key
-
-
-def _held(state: Leading, now: float, config: MatchmakingConfig) -> bool:
-    """Whether a group below the target holds its commit for a late peer (:data:`LATE_HOLD_POLLS`)."""
-    below = len(state.group.members) < (config.target_group_size or 0)
-    return below and not state.took_late and now < state.sealed_at + LATE_HOLD_POLLS * config.poll_interval
 
 
 def _stale(declaration: Declaration | None, now: float, config: MatchmakingConfig) -> bool:
@@ -565,13 +407,8 @@ def _dropped(member: Member, group: SealedGroup, board: Board) -> bool:
         return False
     # a record of another attempt of this peer: it looked again under a new one instead (or it is an old
     # attempt, and this wait is not taken: the leader abandons, as it did before this rule)
-    return not _other_attempt(member, board)
-
-
-def _other_attempt(member: Member, board: Board) -> bool:
-    """Whether the board shows a record of another attempt of ``member``'s peer."""
     records = (*board.declarations, *board.markers)
-    return any(key[0] == member.peer_id and key != member.key for key in records)
+    return not any(key[0] == member.peer_id and key != member.key for key in records)
 
 
 def _seal(
