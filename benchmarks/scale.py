@@ -462,7 +462,7 @@ def simulate_polls(count: int, group: int, churn: float, seed: int = 0) -> tuple
     print(
         f"simulation, {count} peers in groups of {group}, {churn:.0%} dying: {result.polls_to_group:.1f} polls "
         f"after the last declaration / scheduled time, {result.records_per_read:.1f} records per read, "
-        f"{grouped:.3f} grouped, "
+        f"{grouped:.3f} grouped, {len(result.ungrouped)} live peers in no group {list(result.ungrouped)}, "
         f"{seconds:.1f} s",
         flush=True,
     )
@@ -582,6 +582,8 @@ def simulation_rows(args: argparse.Namespace) -> list[Result]:
         case = f"sim {args.sim_peers} peers, groups of 8, {churn:.0%} dying"
         results.append(lower_is_better(case, "polls to all groups", polls, None))
         results.append(higher_is_better(case, "share grouped", grouped, None))
+        ungrouped = round((1 - grouped) * (args.sim_peers - int(churn * args.sim_peers)))
+        results.append(lower_is_better(case, "live peers in no group", ungrouped, None))
     results.append(lower_is_better(f"sim {args.sim_peers} peers, groups of 8", "records per read", records, None))
     for count in (8, 64):
         _, records, _, _ = simulate_polls(count, 8, 0.0)

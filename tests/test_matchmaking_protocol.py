@@ -557,3 +557,13 @@ def test_simulated_full_group_forms_within_a_few_polls() -> None:
     check_agreement(result, cfg, 4)
     assert len(result.groups) == 4
     assert max(result.found_at.values()) < 10 * cfg.poll_interval
+
+
+def test_a_simulated_round_lists_its_live_peers_in_no_group() -> None:
+    # polls_to_group counts grouped peers only: a live peer left alone must show somewhere
+    cfg = config(min_matchmaking_time=0.5)
+    peers = {simulated_peer_id(i): () for i in range(3)}
+    result = simulate_round(peers, cfg, swarm_size=None, seed=0, spread=0.0, until=3.0, dying=[simulated_peer_id(2)])
+    assert result.ungrouped == () and len(result.groups) == 2
+    alone = simulate_round(peers, cfg, swarm_size=None, seed=0, spread=0.0, until=3.0, dying=list(peers)[1:])
+    assert alone.ungrouped == (simulated_peer_id(0),) and not alone.groups

@@ -106,6 +106,7 @@ class SimulatedRound:
     records_per_read: float
     polls_to_group: float  # max over peers: (time its group was final - the later of last_declared_at and
     # the first scheduled time) / poll_interval: how long the last group took once it could form
+    ungrouped: tuple[str, ...] = ()  # live peers that found no group by ``until`` (not in polls_to_group)
 
 
 def simulate_round(
@@ -173,6 +174,7 @@ def simulate_round(
         last_declared_at=last_declared,
         records_per_read=dht.records_read / max(dht.reads, 1),
         polls_to_group=max(0.0, latest - max(last_declared, first_due)) / config.poll_interval,
+        ungrouped=tuple(p.peer_id for p in live if p.group is None),
     )
 
 
