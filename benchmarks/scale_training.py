@@ -99,7 +99,7 @@ def train_case(
     ]
     state_rounds: collections.Counter[str] = collections.Counter()  # parameter rounds: applied or not
     for opt in optimizers:
-        opt.state_averager.apply_round = counted_rounds(opt.state_averager.apply_round, state_rounds)
+        opt.state_averager.apply_round = counted_rounds(opt, state_rounds)
     samples = [0] * peers
     discarded = [0] * peers  # batches whose step() resynchronized the peer instead of counting them
     group_sizes: list[int] = []  # members of each gradient round a peer took part in (as it ended its epoch)
@@ -172,6 +172,7 @@ def train_case(
         epochs=(min(finished), max(finished)),
         group_size=statistics.mean(group_sizes) if group_sizes else 0.0,
         state_rounds=(state_rounds["applied"], state_rounds["applied"] + state_rounds["not applied"]),
+        repeated_rounds=state_rounds["repeated"],
         seconds=seconds,
         cpu=cpu,
         error=errors[0].strip().splitlines()[-1][:200] if errors else None,
@@ -191,14 +192,20 @@ def step_counted(opt: Any, before: tuple[int, int], batch: int, *, last: bool) -
     return opt.tracker.local_progress.samples_accumulated >= accumulated + batch
 
 
-def counted_rounds(apply_round: Any, outcomes: collections.Counter[str]) -> Any:
+def counted_rounds(opt: Any, outcomes: collections.Counter[str]) -> Any:
     """``apply_round`` of a peer's state averager, counting the parameter rounds it applied and the ones
-    that failed or were discarded (mixed epochs): what keeps groups' parameters together."""
+    that failed or were discarded (mixed epochs): what keeps groups' parameters together; and the
+    applied ones whose members were exactly those of the peer's last gradient round ("repeated":
+    they mix nothing across groups)."""
+    apply_round = opt.state_averager.apply_round
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         applied = apply_round(*args, **kwargs)
         if applied is not None:
             outcomes["applied" if applied else "not applied"] += 1
+            report = opt.state_averager.last_round
+            if applied and report is not None and set(report.part_sizes) == set(opt.last_round_samples):
+                outcomes["repeated"] += 1
         return applied
 
     return counting
@@ -266,7 +273,8 @@ def compare_groups(
                 f"{outcome['samples']} of {outcome['target_samples']} samples ({outcome['discarded']} batches "
                 f"discarded by resyncs), epochs {outcome['epochs']}, "
                 f"gradient rounds of {outcome['group_size']:.1f} peers on average, parameter rounds applied "
-                f"{outcome['state_rounds'][0]} of {outcome['state_rounds'][1]}, {outcome['seconds']:.0f} s "
+                f"{outcome['state_rounds'][0]} of {outcome['state_rounds'][1]} ({outcome['repeated_rounds']} with the "
+                f"members of the gradient round), {outcome['seconds']:.0f} s "
                 f"(CPU s: {cpu}), load {os.getloadavg()[0]:.1f}{error}",
                 flush=True,
             )
