@@ -49,8 +49,9 @@ that the gradient round just dealt, which are distinct within each gradient grou
 one member from each of the gradient round's groups instead of meeting again. With separate
 coordinates both averagers started from the same digits (:func:`initial_digits` of the same peer
 id), so the first parameter round repeated the gradient round's groups, and later ones met the
-gradient round's members by chance; between groups, parameters then drifted apart (a spread of 0.115
-of the parameters' scale across 16 peers in groups of 4, ``benchmarks/scale.py --digits 16``).
+gradient round's members by chance, and groups drifted apart: across 16 peers in groups of 4 after 12
+epochs (``benchmarks/scale.py --digits 16``), a spread of 0.17 of the parameters' scale with separate
+coordinates, 0.08 with one rotation per peer (one group of 16 had 0.08-0.09 in the same runs).
 
 Why it mixes: with ``N = M**d`` peers on a grid (peer ``i`` starting with the base-``M`` digits of
 ``i // M`` as its last ``d - 1`` digits), every shard of round 1 holds exactly one group of ``M``.
