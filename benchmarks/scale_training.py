@@ -99,8 +99,9 @@ def train_case(
     ]
     state_rounds: collections.Counter[str] = collections.Counter()  # parameter rounds: applied or not
     for opt in optimizers:
-        opt.state_averager.apply_round = counted_rounds(opt.state_averager.apply_round, state_rounds)
+        opt.state_averager.apply_round = counted_rounds(opt, state_rounds)
     samples = [0] * peers
+    discarded = [0] * peers  # batches whose step() resynchronized the peer instead of counting them
     group_sizes: list[int] = []  # members of each gradient round a peer took part in (as it ended its epoch)
     errors: list[str] = []
     stop = threading.Event()
@@ -126,10 +127,14 @@ def train_case(
                     return
                 x, y = stream.next_batch()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
+                before = (opt.local_epoch, opt.tracker.local_progress.samples_accumulated)
                 opt.step()
                 opt.zero_grad()
-                samples[index] += len(x)
-                done += 1
+                if step_counted(opt, before, len(x), last=done == steps_per_epoch - 1):
+                    samples[index] += len(x)
+                    done += 1
+                else:  # the step downloaded the swarm's state instead (a resync): its batch does not count
+                    discarded[index] += 1
                 time.sleep(0.02)
         except Exception:
             errors.append(f"peer {index}: {traceback.format_exc()}")
@@ -162,24 +167,45 @@ def train_case(
         spread=relative_spread(params),
         moved=relative_spread([params[0], initial]),
         samples=sum(samples),
+        discarded=sum(discarded),
         target_samples=peers * batch * steps_per_epoch * epochs,
         epochs=(min(finished), max(finished)),
         group_size=statistics.mean(group_sizes) if group_sizes else 0.0,
         state_rounds=(state_rounds["applied"], state_rounds["applied"] + state_rounds["not applied"]),
+        repeated_rounds=state_rounds["repeated"],
         seconds=seconds,
         cpu=cpu,
         error=errors[0].strip().splitlines()[-1][:200] if errors else None,
     )
 
 
-def counted_rounds(apply_round: Any, outcomes: collections.Counter[str]) -> Any:
+def step_counted(opt: Any, before: tuple[int, int], batch: int, *, last: bool) -> bool:
+    """Whether the ``step()`` just made counted its batch toward the swarm's progress. A step that
+    catches up with the swarm (a resync after a failed or missed round) downloads the state and
+    reports 0 samples instead: counting that batch anyway left the swarm one batch short of
+    ``all_but_last`` for good, and every peer waited for it until the case's timeout (2 of 12 epochs
+    in 215 s). ``before``: the peer's (local epoch, local samples) before the step; ``last``: the
+    epoch's last batch, whose counted step ends the epoch."""
+    epoch, accumulated = before
+    if opt.local_epoch != epoch:
+        return last and opt.local_epoch == epoch + 1
+    return opt.tracker.local_progress.samples_accumulated >= accumulated + batch
+
+
+def counted_rounds(opt: Any, outcomes: collections.Counter[str]) -> Any:
     """``apply_round`` of a peer's state averager, counting the parameter rounds it applied and the ones
-    that failed or were discarded (mixed epochs): what keeps groups' parameters together."""
+    that failed or were discarded (mixed epochs): what keeps groups' parameters together; and the
+    applied ones whose members were exactly those of the peer's last gradient round ("repeated":
+    they mix nothing across groups)."""
+    apply_round = opt.state_averager.apply_round
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         applied = apply_round(*args, **kwargs)
         if applied is not None:
             outcomes["applied" if applied else "not applied"] += 1
+            report = opt.state_averager.last_round
+            if applied and report is not None and set(report.part_sizes) == set(opt.last_round_samples):
+                outcomes["repeated"] += 1
         return applied
 
     return counting
@@ -244,9 +270,11 @@ def compare_groups(
             print(
                 f"digits, {peers} peers, {name}: held-out loss {outcome['loss']:.4f}, "
                 f"accuracy {outcome['accuracy']:.3f}, spread {outcome['spread']:.4f} (moved {outcome['moved']:.3f}), "
-                f"{outcome['samples']} of {outcome['target_samples']} samples, epochs {outcome['epochs']}, "
+                f"{outcome['samples']} of {outcome['target_samples']} samples ({outcome['discarded']} batches "
+                f"discarded by resyncs), epochs {outcome['epochs']}, "
                 f"gradient rounds of {outcome['group_size']:.1f} peers on average, parameter rounds applied "
-                f"{outcome['state_rounds'][0]} of {outcome['state_rounds'][1]}, {outcome['seconds']:.0f} s "
+                f"{outcome['state_rounds'][0]} of {outcome['state_rounds'][1]} ({outcome['repeated_rounds']} with the "
+                f"members of the gradient round), {outcome['seconds']:.0f} s "
                 f"(CPU s: {cpu}), load {os.getloadavg()[0]:.1f}{error}",
                 flush=True,
             )

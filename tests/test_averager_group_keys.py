@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time
 from swarm import local_swarm
 
 from hivemind_ext.averaging import AveragingStage, DecentralizedAverager
+from hivemind_ext.averaging.matchmaking.rotation import DIGITS, Coordinates
 from hivemind_ext.errors import ConfigurationError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -117,6 +118,62 @@ def test_group_bits_keep_peers_apart_and_a_2x2_grid_reaches_the_mean(swarm: list
                 assert torch.allclose(tensor, expected_mean, atol=1e-6, rtol=0)
     finally:
         shutdown_all(averagers)
+
+
+def rounds_on_two_prefixes(
+    swarm: Sequence[hivemind.DHT], rotations: Sequence[Coordinates | None]
+) -> list[list[frozenset[str]]]:
+    """4 peers, each with two averagers in rotating groups of 2 (prefix A, then prefix B, one round
+    each, the whole swarm looking): each round's groups (sets of peer ids), sorted."""
+    rounds = []
+    for prefix in (fresh_prefix(), fresh_prefix()):
+        averagers = [
+            DecentralizedAverager(
+                [torch.tensor([float(i)])],
+                dht,
+                prefix=prefix,
+                target_group_size=2,
+                min_matchmaking_time=30.0,  # the whole swarm is expected: groups form once the 4 are looking
+                request_timeout=1.0,
+                rotation=rotation,
+                start=True,
+            )
+            for i, (dht, rotation) in enumerate(zip(swarm, rotations, strict=True))
+        ]
+        try:
+            futures = [averager.step(wait=False, timeout=30, expected_group_size=4) for averager in averagers]
+            gathered = [future.result(timeout=60) for future in futures]
+            rounds.append(sorted({frozenset(str(peer) for peer in members) for members in gathered}, key=sorted))
+        finally:
+            shutdown_all(averagers)
+    return rounds
+
+
+def test_averagers_that_share_a_rotation_mix_across_each_others_groups(swarm: list[hivemind.DHT]) -> None:
+    """The Optimizer's gradient round, then its parameter round, in rotating groups: with one rotation
+    per peer (Coordinates shared by both averagers, as the Optimizer does) the second round pairs
+    peers that the first kept apart; with each averager's own coordinates (both start from the peer
+    id's) it met the same pairs again, which mixes nothing across them."""
+    first, second = rounds_on_two_prefixes(swarm[:4], [None] * 4)
+    assert len(first) == 2 and all(len(group) == 2 for group in first), first
+    assert second == first  # why the averagers must share: the same pairs again
+    first, second = rounds_on_two_prefixes(swarm[:4], [Coordinates() for _ in range(4)])
+    assert len(first) == len(second) == 2 and all(len(group) == 2 for group in first + second), (first, second)
+    for group in second:  # one member from each of the first round's groups
+        assert all(len(group & earlier) == 1 for earlier in first), (first, second)
+
+
+def test_averagers_that_share_a_rotation_need_one_group_size(swarm: list[hivemind.DHT]) -> None:
+    rotation = Coordinates()
+    averager = DecentralizedAverager(
+        [torch.zeros(1)], swarm[0], prefix=fresh_prefix(), target_group_size=2, rotation=rotation, start=True
+    )
+    try:
+        assert rotation.base == 2 and len(rotation.digits) == DIGITS
+        with pytest.raises(ConfigurationError):
+            rotation.start(str(averager.peer_id), 4)
+    finally:
+        averager.shutdown()
 
 
 def test_get_set_group_bits(swarm: list[hivemind.DHT]) -> None:

@@ -42,7 +42,7 @@ from hivemind_ext.averaging.matchmaking.confirmation import Confirmations
 from hivemind_ext.averaging.matchmaking.group import GroupInfo
 from hivemind_ext.averaging.matchmaking.group_key import check_group_bits, next_group_bits_of
 from hivemind_ext.averaging.matchmaking.matchmaker import Matchmaker, MatchmakingConfig
-from hivemind_ext.averaging.matchmaking.rotation import digits_without_group, initial_digits, next_digits
+from hivemind_ext.averaging.matchmaking.rotation import Coordinates, digits_without_group, next_digits
 from hivemind_ext.averaging.round_stats import round_stats_of
 from hivemind_ext.averaging.scratch import RoundBuffers, ScratchBuffers
 from hivemind_ext.averaging.state_sharing import StateDonor, StateLoader, StateSharingConfig
@@ -179,6 +179,10 @@ class DecentralizedAverager:
     :param norm_bound: a contribution whose norm on a part exceeds this many times the median of
       the group's norms is excluded from that part (reported in ``last_round.excluded``, logged at
       WARNING); on by default (100x) with any aggregator, ``None`` turns it off
+    :param rotation: rotation coordinates (rotating groups, see :mod:`.matchmaking.rotation`) shared
+      with this peer's other averagers whose rounds take turns with this one's: every round of any of
+      them moves them (the Optimizer shares one between its gradient and parameter rounds); default:
+      this averager's own
     """
 
     def __init__(
@@ -217,10 +221,13 @@ class DecentralizedAverager:
         reject_non_finite_state: bool = False,
         aggregator: Any = None,
         norm_bound: float | None = DEFAULT_NORM_BOUND,
+        rotation: Coordinates | None = None,
     ):
         del min_vector_size, daemon  # hivemind internals with no meaning here
         self._group_bits = check_group_bits(initial_group_bits)  # see get_group_bits
-        self._digits: tuple[int, ...] = ()  # rotation coordinates, set at start (they derive from the peer id)
+        # rotation coordinates, set at start (they derive from the peer id); shared with the peer's other
+        # averagers given the same object (see .matchmaking.rotation, "One rotation per peer")
+        self._rotation = rotation if rotation is not None else Coordinates()
         tensors = list(averaged_tensors)
         _check_tensors(tensors)
         if client_mode is None:
@@ -415,7 +422,7 @@ class DecentralizedAverager:
         )
         target = self.matchmaking_config.target_group_size
         if target is not None and target >= 2:  # rotating groups (see .matchmaking.rotation); bits take precedence
-            self._digits = initial_digits(p2p.peer_id.to_base58(), target)
+            self._rotation.start(p2p.peer_id.to_base58(), target)
         self._service.admission.is_listed = self._matchmaker.lists  # members' early streams get reserved slots
         with contextlib.suppress(MatchmakingError):  # the first search sets signing up then
             await self._matchmaker.prepare(timeout=max(SIGNING_SETUP_TIMEOUT, self.matchmaking_config.request_timeout))
@@ -502,16 +509,18 @@ class DecentralizedAverager:
         me = self._matchmaker.peer_id.to_base58() if self._matchmaker is not None else str(self.peer_id)
         members, target = [m.peer_id for m in group.members], self.matchmaking_config.target_group_size
         self._group_bits = next_group_bits_of(self._group_bits, group.group_id, members, me, target)
-        if self._digits and target is not None:
-            self._digits = next_digits(self._digits, group.group_id, members.index(me), len(members), target)
+        rotation = self._rotation
+        if rotation.digits and target is not None:
+            rotation.digits = next_digits(rotation.digits, group.group_id, members.index(me), len(members), target)
 
     def _move_digits_alone(self) -> None:
         """After a search that found no group: rotating coordinates move as a group of one would
         (:func:`.matchmaking.rotation.digits_without_group`), so that a peer left over does not come
         last in the same shard again next round."""
         target = self.matchmaking_config.target_group_size
-        if self._digits and target is not None and self._matchmaker is not None:
-            self._digits = digits_without_group(self._digits, self._matchmaker.peer_id.to_base58(), target)
+        rotation = self._rotation
+        if rotation.digits and target is not None and self._matchmaker is not None:
+            rotation.digits = digits_without_group(rotation.digits, self._matchmaker.peer_id.to_base58(), target)
 
     # ----- tensors and state
 
@@ -678,7 +687,7 @@ class DecentralizedAverager:
                     scheduled_time=control.scheduled_time,
                     expected_group_size=control.expected_group_size,
                     group_bits=self._group_bits,
-                    digits=() if self._group_bits else self._digits,
+                    digits=() if self._group_bits else self._rotation.digits,
                     bandwidth=self.declared_bandwidth,
                 )
             except MatchmakingError:

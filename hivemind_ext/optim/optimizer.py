@@ -35,6 +35,7 @@ import torch
 from hivemind import DHT
 
 from hivemind_ext.averaging.control import StepControl
+from hivemind_ext.averaging.matchmaking.rotation import Coordinates
 from hivemind_ext.errors import ConfigurationError, HivemindExtError, RunMismatchError, StateLoadError
 from hivemind_ext.logs import use_default_handler
 from hivemind_ext.monitoring.publisher import MetricsPublisher
@@ -197,6 +198,10 @@ class Optimizer(torch.optim.Optimizer):
             )
         )
         self.averager_opts.setdefault("fingerprint", "" if auxiliary else self.fingerprint.digest)
+        # one rotation per peer: in rotating groups, each epoch's parameter round then groups peers by the
+        # digits its gradient round just dealt, and mixes across the gradient round's groups instead of
+        # meeting them again (see hivemind_ext.averaging.matchmaking.rotation, "One rotation per peer")
+        self.averager_opts.setdefault("rotation", Coordinates())
         self._param_groups: list = []
         self._param_group_ids: list[int] = []
         # what torch.optim.Optimizer's own methods and hooks expect to find

@@ -40,6 +40,19 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   full groups (``N = k * M + 1``), the same peer comes last in the same ranking every round and its
   value never mixes.
 
+One rotation per peer
+--------------------
+A peer whose averagers take turns (the Optimizer's gradient round, then its parameter round, every
+epoch) shares one :class:`Coordinates` between them, so that every round it takes part in, of
+whichever averager, moves the same coordinates. The parameter round then ranks peers by the digits
+that the gradient round just dealt, which are distinct within each gradient group: its groups take
+one member from each of the gradient round's groups instead of meeting again. With separate
+coordinates both averagers started from the same digits (:func:`initial_digits` of the same peer
+id), so the first parameter round repeated the gradient round's groups, and later ones met the
+gradient round's members by chance, and groups drifted apart: across 16 peers in groups of 4 after 12
+epochs (``benchmarks/scale.py --digits 16``), a spread of 0.17 of the parameters' scale with separate
+coordinates, 0.08 with one rotation per peer (one group of 16 had 0.08-0.09 in the same runs).
+
 Why it mixes: with ``N = M**d`` peers on a grid (peer ``i`` starting with the base-``M`` digits of
 ``i // M`` as its last ``d - 1`` digits), every shard of round 1 holds exactly one group of ``M``.
 The deal sends the ``M`` members of each group to ``M`` different shards, and a shard of the next
@@ -61,6 +74,7 @@ can join one at most: the others commit without it, as they would without a dead
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 
@@ -73,6 +87,26 @@ DIGITS = 8
 MAX_BASE = 4096  # a digit is below the group size, which matchmaking bounds (board.MAX_GROUP_MEMBERS)
 
 Digits = tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Coordinates:
+    """A peer's rotation coordinates, which the averagers sharing this object all move (see "One
+    rotation per peer" above); ``base`` is their target_group_size (0 until the first averager sets
+    them, from its peer id). Only the peer's event loop reads and moves them."""
+
+    digits: Digits = ()
+    base: int = 0
+
+    def start(self, peer_id: str, base: int) -> None:
+        """Sets the newcomer's coordinates, unless another averager of this peer did (in the same base)."""
+        _check_base(base)
+        if not self.digits:
+            self.digits, self.base = initial_digits(peer_id, base), base
+        elif self.base != base:
+            raise ConfigurationError(
+                f"averagers that share rotation coordinates need one target_group_size: {self.base} and {base}"
+            )
 
 
 def check_digits(digits: object, base: int = MAX_BASE) -> Digits:
