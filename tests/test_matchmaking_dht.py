@@ -7,16 +7,19 @@ own prefix, so records of one test never meet another's.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import math
 import secrets
+import threading
 import time
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import hivemind
 import pytest
+from faulty_dht import FaultyDHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.utils import MSGPackSerializer, get_dht_time
@@ -414,6 +417,65 @@ def test_members_confirm_with_their_leader_by_one_call(swarm, network) -> None:
     assert sum(desk.refused for desk in desks) == 0
     print(f"4 peers, direct confirmations: group formed in {elapsed * 1000:.0f} ms")
     assert elapsed < 2.0
+
+
+class SlowPolls(FaultyDHT):
+    """A DHT whose board reads that store nothing (a matchmaker's polls) answer only after ``delay``."""
+
+    def __init__(self, real: hivemind.DHT, delay: float) -> None:
+        super().__init__(real)
+        self.delay, self.slowed = delay, 0
+
+    def run_coroutine(self, coro: Any, return_future: bool = False) -> Any:
+        name = getattr(getattr(coro, "func", None), "__name__", "")
+        args = getattr(coro, "args", ())  # _store_then_read(key, writes, read, all_replicas)
+        if not (return_future and name == "_store_then_read" and not args[1] and args[2]):
+            return self.real.run_coroutine(coro, return_future=return_future)
+        self.slowed += 1
+        answered, late = self.real.run_coroutine(coro, return_future=True), concurrent.futures.Future()
+
+        def answer() -> None:
+            try:
+                late.set_result(answered.result(timeout=30))
+            except BaseException as e:
+                late.set_exception(e)
+
+        threading.Timer(self.delay, answer).start()
+        return late
+
+
+@pytest.mark.timeout(60)
+def test_a_direct_leader_commits_on_its_members_calls_without_reading_the_board_first(swarm, network) -> None:
+    """Once it has sealed, a direct group's leader steps on each member's call as it arrives. It used
+    to pause and read the board first, and a call that arrived during that read waited for it (10-40
+    ms per round on a loaded loopback; here, with the leader's polls answered after 3 s, 3 s)."""
+    leader, *members = by_peer_id(swarm, (0, 1, 2, 3))
+    name = prefix()
+    slow = SlowPolls(swarm[leader], delay=3.0)
+
+    async def scenario():
+        scopes, desks = await _desks(network, (leader, *members), {})
+        try:
+            config = matchmaker(swarm, leader, name, request_timeout=5.0).config
+            leading = Matchmaker(
+                config, dht=slow, signing_key=default_signing_key(swarm[leader]), confirmations=desks[0]
+            )
+            others = direct_matchmakers(swarm, members, desks[1:], name, request_timeout=5.0)
+            deadline = get_dht_time() + 20
+            looking = [asyncio.create_task(m.look_for_group(deadline=deadline)) for m in others]
+            await asyncio.sleep(0.5)  # the members are on the board: the leader seals on its first read
+            started = time.perf_counter()
+            mine = await leading.look_for_group(deadline=deadline)
+            return [mine, *(await asyncio.gather(*looking))], time.perf_counter() - started
+        finally:
+            for scope in scopes:
+                await scope.shutdown()
+
+    results, elapsed = network.run(scenario())
+    (group,) = groups_of(results).values()
+    assert {m.peer_id for m in group.members} == peer_ids(swarm, (0, 1, 2, 3))
+    assert group.members[0].peer_id == swarm[leader].peer_id.to_base58()
+    assert elapsed < 2.5, f"the leader waited for a slow read before committing: {elapsed:.2f} s"
 
 
 @pytest.mark.timeout(60)

@@ -372,7 +372,11 @@ class Matchmaker:
                     # same moment are on the board by now. After any other write, nobody has answered yet.
                     read_now = bool(result.writes) and isinstance(state, Looking)
                     if result.writes:
-                        _, board = await self._exchange(result.writes, read_now, declaration.deadline)
+                        _, read = await self._exchange(result.writes, read_now, declaration.deadline)
+                        # a direct group's leader that just sealed waits for its members' calls at once (on
+                        # the board it sealed from): a read first held back the step on a call by up to
+                        # a pause and a read (10-40 ms on a loaded loopback)
+                        board = board if not read_now and _awaits_calls(self.confirmations, state) else read
                 if not read_now:
                     pause = self.config.poll_interval * (URGENT_POLL_FRACTION if urgent else 1.0)
                     if _awaits_calls(self.confirmations, state) and board is not None:
