@@ -443,8 +443,9 @@ def big_group_rows(args: argparse.Namespace) -> list[Result]:
 # ----- 2. simulation
 
 
-def simulate_polls(count: int, group: int, churn: float, seed: int = 0) -> tuple[float, float, float, float]:
-    """(polls until every group is final, records per read, share of live peers grouped, seconds)."""
+def simulate_polls(count: int, group: int, churn: float, seed: int = 0) -> tuple[float, float, float, int]:
+    """(polls until every group is final, records per read, share of live peers grouped, live peers in no
+    group)."""
     from hivemind_ext.averaging.matchmaking.group import MatchmakingConfig
     from hivemind_ext.averaging.matchmaking.rotation import initial_digits
     from hivemind_ext.averaging.matchmaking.simulation import simulate_round, simulated_peer_id
@@ -466,7 +467,7 @@ def simulate_polls(count: int, group: int, churn: float, seed: int = 0) -> tuple
         f"{seconds:.1f} s",
         flush=True,
     )
-    return result.polls_to_group, result.records_per_read, grouped, seconds
+    return result.polls_to_group, result.records_per_read, grouped, len(result.ungrouped)
 
 
 def simulate_grid(group: int = 8, dims: int = 2) -> float:
@@ -578,11 +579,10 @@ def simulation_rows(args: argparse.Namespace) -> list[Result]:
     """The pure protocol: 1,000 peers' polls to form all groups, records per read, grid and mixing."""
     results: list[Result] = []
     for churn in (0.0, 0.02):
-        polls, records, grouped, _ = simulate_polls(args.sim_peers, 8, churn)
+        polls, records, grouped, ungrouped = simulate_polls(args.sim_peers, 8, churn)
         case = f"sim {args.sim_peers} peers, groups of 8, {churn:.0%} dying"
         results.append(lower_is_better(case, "polls to all groups", polls, None))
         results.append(higher_is_better(case, "share grouped", grouped, None))
-        ungrouped = round((1 - grouped) * (args.sim_peers - int(churn * args.sim_peers)))
         results.append(lower_is_better(case, "live peers in no group", ungrouped, None))
     results.append(lower_is_better(f"sim {args.sim_peers} peers, groups of 8", "records per read", records, None))
     for count in (8, 64):
