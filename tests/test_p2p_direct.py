@@ -192,7 +192,7 @@ def test_ticket_book_issues_redeems_once_and_expires() -> None:
     alice, bob = PeerID(b"alice-peer-id"), PeerID(b"bob-peer-id")
     tokens, keys = book.issue(alice, 2, now=0.0)
     assert len(set(tokens)) == 2 and all(len(token) == 32 for token in tokens)
-    assert len(set(keys)) == 2 and all(len(key) == 32 for key in keys)  # a fresh session key per token
+    assert len(set(keys)) == 2 and all(len(key) == 16 for key in keys)  # a fresh session key per token
     assert book.redeem(tokens[0], now=1.0) == TicketHolder(alice, keys[0])
     assert book.redeem(tokens[0], now=1.0) is None  # one-time
     assert book.redeem(tokens[1], now=10.0) is None  # expired

@@ -31,9 +31,11 @@ from hivemind_ext.p2p.direct_client import DirectConnector
 from hivemind_ext.p2p.direct_records import (
     CALLER,
     FREE_RECORD_BUFFERS,
+    KEY_BYTES,
     LENGTH,
     MAX_RECORD_BYTES,
     SERVER,
+    RecordOpener,
     RecordSealer,
     new_session_key,
 )
@@ -189,7 +191,7 @@ async def test_malformed_ticket_keys_are_refused() -> None:
     async with pair() as peers:
         good = await peers.ticket()
         assert good.keys is not None and len(good.keys) == len(good.tokens) == 2
-        for keys in (good.keys[:1], [b"k" * 16, b"k" * 16], ["text", "text"], b"k" * 64):
+        for keys in (good.keys[:1], [b"k" * 15, b"k" * 15], [b"k" * 24, b"k" * 24], ["text", "text"], b"k" * 64):
             with pytest.raises(ProtocolError):
                 parse_ticket_response(ticket_response(good.host, good.port, good.ttl, good.tokens, keys))
         for bad in ({"count": 0}, {"count": 17}, {"count": "1"}, {}):
@@ -362,6 +364,20 @@ async def test_hostile_records_are_typed_errors() -> None:
             finally:
                 tracemalloc.stop()
             assert peak < MAX_RECORD_BYTES // 2, name  # refused before a record buffer is allocated for it
+
+
+def test_session_keys_are_aes_128_and_aes_256_keys_of_older_peers_still_open_records() -> None:
+    assert len(new_session_key()) == KEY_BYTES == 16
+    for key in (new_session_key(), os.urandom(32)):  # ours; an older peer's AES-256 key
+        record = bytes(RecordSealer(key, CALLER).seal(b"payload" * 1000))
+        opener = RecordOpener(key, CALLER)
+        opener.buffer()[: len(record)] = record
+        opener.received(len(record))
+        size = opener.next_record()
+        assert size == 7000 and bytes(opener.open(size)) == b"payload" * 1000
+    for size in (0, 15, 24, 33):  # AES-192 is valid for AES-GCM, but no peer of ours issues it
+        with pytest.raises(ProtocolError):
+            RecordSealer(b"k" * size, CALLER)
 
 
 @async_test

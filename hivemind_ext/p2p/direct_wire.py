@@ -5,7 +5,7 @@ more CPU than the peers themselves, so two peers that can reach each other direc
 (all-reduce streams, state downloads) over their own TCP connection instead, falling back to
 libp2p where no direct connection can be made.
 
-By default everything after the hello is AEAD records (AES-256-GCM with a key per token, see
+By default everything after the hello is AEAD records (AES-128-GCM with a key per token, see
 :mod:`~hivemind_ext.p2p.direct_records`); plaintext is an explicit opt-in on both sides
 (``DirectConfig(plaintext=True)`` on the server, ``DirectClientConfig(allow_plaintext=True)`` on
 the caller) for loopback or trusted networks.
@@ -54,7 +54,7 @@ from typing import Any, Literal
 
 from hivemind_ext.errors import HivemindExtError, PeerUnreachableError, ProtocolError
 from hivemind_ext.p2p.deadlines import wait_until
-from hivemind_ext.p2p.direct_records import KEY_BYTES
+from hivemind_ext.p2p.direct_records import ACCEPTED_KEY_BYTES
 from hivemind_ext.p2p.direct_transport import DirectStream
 
 # Which path a call took: "direct" is the encrypted direct path, "direct-plaintext" the opt-in one.
@@ -167,9 +167,9 @@ def parse_ticket_response(header: Mapping[str, Any]) -> Ticket:
     if keys is not None and (
         not isinstance(keys, list)
         or len(keys) != len(tokens)
-        or not all(isinstance(key, bytes) and len(key) == KEY_BYTES for key in keys)
+        or not all(isinstance(key, bytes) and len(key) in ACCEPTED_KEY_BYTES for key in keys)
     ):
-        raise ProtocolError(f"ticket must carry one key of {KEY_BYTES} bytes per token")
+        raise ProtocolError("ticket must carry one key of 16 or 32 bytes per token")
     return Ticket(host, port, float(ttl), tokens, keys)
 
 
