@@ -458,6 +458,15 @@ def test_minmax_narrow_chunks_far_from_zero_keep_the_error_bound(
     check_bound(codec, x, message, y)
 
 
+@pytest.mark.parametrize("codec", [MinMaxUInt8(chunk_size=4), MinMaxUInt4(chunk_size=4)], ids=codec_ids)
+def test_minmax_finite_ranges_whose_sum_overflows_round_trip(codec: Codec) -> None:
+    """The encoder proves the chunk stats finite by summing the ranges; a sum that overflows for
+    finite ranges (each below the dtype's max) must fall back to the exact check, not raise."""
+    x = torch.tensor([-1e38, 1e38, 0.5, 3.0] * 6, dtype=torch.float32)
+    message, y = round_trip(codec, x)
+    check_bound(codec, x, message, y)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_blockwise_keeps_zeros_exactly(dtype: torch.dtype) -> None:
     x = normal((1000,), dtype)
