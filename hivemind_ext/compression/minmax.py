@@ -286,8 +286,9 @@ class _MinMaxQuantization(Codec):
             valid = bool((torch.isfinite(mins) & torch.isfinite(maxs) & (mins <= maxs)).all())
             if not valid:
                 raise CompressionError(f"{cls.__name__}: chunk minima and maxima must be finite with min <= max")
-            mins, maxs = mins * HALF, maxs * HALF  # values of both signs near the dtype's limit: work on
-            ranges = maxs - mins  # halves, then double
+            # values of both signs near the dtype's limit: work on halves, then double
+            mins, maxs = mins * HALF, maxs * HALF
+            ranges = maxs - mins
         codes, steps = payload[2 * stats_nbytes :], ranges / cls.LEVELS
 
         def decode_tile(values: torch.Tensor, start: int) -> None:
