@@ -422,6 +422,51 @@ def test_minmax_constant_chunks_round_trip_exactly(codec: Codec, dtype: torch.dt
     assert torch.equal(y, x)
 
 
+def narrow_chunks(offset: float, dtype: torch.dtype, chunk: int, seed: int) -> torch.Tensor:
+    """Chunks of values in [offset, offset + width] for widths of 0 to 2000 ulps of ``offset`` in
+    ``dtype`` (both ends present in every chunk), then the two chunks [1000, 1000.001] and
+    [-5e4, -5e4 + 1e-3] where ``dtype`` can tell them from constants; the last chunk one value short."""
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(offset)))
+    ranges = [(offset, offset + ulp * k) for k in [*range(48), 64, 100, 255, 500, 900, 2000]]
+    ranges += [(1000.0, 1000.001), (-5e4, -5e4 + 1e-3)]
+    generator = torch.Generator().manual_seed(seed)
+    parts = []
+    for low, high in ranges:
+        values = low + (high - low) * torch.rand(chunk, generator=generator, dtype=torch.float64)
+        values[0], values[-1] = low, high
+        parts.append(values[torch.randperm(chunk, generator=generator)])
+    return torch.cat(parts)[:-1].to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("offset", [1000.0, -5e4, 3.3e6, -7.1e-3], ids=repr)
+@pytest.mark.parametrize(
+    "codec",
+    [MinMaxUInt8(chunk_size=7), MinMaxUInt8(chunk_size=300), MinMaxUInt4(chunk_size=6), MinMaxUInt4(chunk_size=301)],
+    ids=codec_ids,
+)
+def test_minmax_narrow_chunks_far_from_zero_keep_the_error_bound(
+    codec: Codec, offset: float, dtype: torch.dtype
+) -> None:
+    """A chunk a few ulps wide far from zero: computing a code as x * scale + bias loses ulps of x * scale,
+    which are many levels; codes outside [0, LEVELS] must not wrap around (to the other end of the chunk).
+    float16 and bfloat16 values are thousands of float32 ulps apart, so there the arithmetic is exact enough."""
+    if abs(offset) > torch.finfo(dtype).max:
+        pytest.skip(f"{offset} does not fit in {dtype}")
+    x = narrow_chunks(offset, dtype, codec.chunk_size, seed=int(abs(offset)))
+    message, y = round_trip(codec, x)
+    check_bound(codec, x, message, y)
+
+
+@pytest.mark.parametrize("codec", [MinMaxUInt8(chunk_size=4), MinMaxUInt4(chunk_size=4)], ids=codec_ids)
+def test_minmax_finite_ranges_whose_sum_overflows_round_trip(codec: Codec) -> None:
+    """The encoder proves the chunk stats finite by summing the ranges; a sum that overflows for
+    finite ranges (each below the dtype's max) must fall back to the exact check, not raise."""
+    x = torch.tensor([-1e38, 1e38, 0.5, 3.0] * 6, dtype=torch.float32)
+    message, y = round_trip(codec, x)
+    check_bound(codec, x, message, y)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_blockwise_keeps_zeros_exactly(dtype: torch.dtype) -> None:
     x = normal((1000,), dtype)
