@@ -31,9 +31,15 @@ class StateRounds:
         return next_epoch(self.context.local_epoch, self.context.tracker.global_progress.epoch)
 
     def due(self, epoch: int) -> bool:
-        """Whether to average the state on entering ``epoch`` (other peers train, and none is pending)."""
+        """Whether to average the state on entering ``epoch`` (other peers train, and none is pending).
+
+        A previous round that finished but was not applied yet (``step()`` applies it at its next call)
+        is applied first: counting it as pending skipped every other epoch's round whenever rounds
+        ended during the epoch's last step (the training thread's only; ask from no other)."""
         if self.context.tracker.global_progress.num_trainers < 2 or epoch % self.context.config.average_state_every:
             return False
+        if self.averager.has_round and not self.averager.round_in_progress:
+            self.averager.apply_round(wait=0.0)
         return not self.averager.has_round
 
     def begin(self, epoch: int | None = None, *, after: RoundReport | None = None) -> None:
