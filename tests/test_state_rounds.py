@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import hivemind
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 from swarm import local_swarm
 
 from hivemind_ext.optim.algorithms.state_rounds import StateRounds
@@ -40,12 +41,15 @@ def test_which_epochs_a_state_round_may_mix() -> None:
 
 
 class _FakeStateAverager:
-    """A state averager's round bookkeeping (no network): a round is begun, then ends, then is applied."""
+    """A state averager's round bookkeeping (no network): a round is begun, then ends, then is applied.
+    ``ends_in``: how long a running round still runs (None: past any wait)."""
 
     def __init__(self, events: list[str] | None = None) -> None:
         self.events = events if events is not None else []
         self.running = self.pending = False
+        self.ends_in: float | None = None
         self.applied = 0
+        self.waits: list[float] = []
         self.last_round = None
 
     @property
@@ -57,6 +61,9 @@ class _FakeStateAverager:
         return self.pending and self.running
 
     def apply_round(self, wait: float | None = 0.0) -> bool | None:
+        self.waits.append(wait or 0.0)
+        if self.running and self.ends_in is not None and self.ends_in <= (wait or 0.0):
+            self.running = False
         if not self.pending or self.running:
             return None
         self.pending = False
@@ -71,28 +78,39 @@ def _state_rounds(averager: _FakeStateAverager, *, trainers: int = 8, every: int
         state_averager=averager,
         tracker=SimpleNamespace(global_progress=progress),
         config=SimpleNamespace(average_state_every=every),
-        local_epoch=0,
+        local_epoch=4,
     )
-    return StateRounds(context)
+    rounds = StateRounds(context)
+    rounds.deadline = get_dht_time() + 10.0  # the pending round's (see StateRounds.begin)
+    return rounds
 
 
 def test_a_finished_state_round_is_applied_before_deciding_whether_the_next_is_due() -> None:
     """A round that ended while the epoch's last step ran is applied, and the next epoch's round is due.
-    Before: it counted as pending (step() applies it at its next call), so the round of every other
-    epoch was skipped whenever rounds ended during the epoch's last step."""
+    Before: it counted as pending (step() applies it at its next call), and the next round was skipped."""
     averager = _FakeStateAverager()
     rounds = _state_rounds(averager)
-    averager.pending, averager.running = True, False
+    averager.pending = True
     assert rounds.due(5) and averager.applied == 1 and not averager.has_round
 
 
-def test_a_state_round_still_running_makes_the_next_one_wait() -> None:
+def test_a_state_round_still_running_is_waited_for_and_the_next_is_due() -> None:
+    """As hivemind waits for its delayed updates. Before, the next round was skipped: the peers that
+    began it waited for this one until their scheduled time, and skipped the round after it, so that
+    only every other epoch had a state round (test_optimizer_large_swarm, eight_peers)."""
+    averager = _FakeStateAverager()
+    rounds = _state_rounds(averager)
+    averager.pending = averager.running = True
+    averager.ends_in = 2.0
+    assert rounds.due(5) and averager.applied == 1 and not averager.has_round
+    assert 9.0 < max(averager.waits) < 12.0  # up to the round's deadline and its grace
+
+
+def test_a_state_round_that_outlives_its_deadline_makes_the_next_one_skip() -> None:
     averager = _FakeStateAverager()
     rounds = _state_rounds(averager)
     averager.pending = averager.running = True
     assert not rounds.due(5) and averager.applied == 0 and averager.has_round
-    averager.running = False
-    assert rounds.due(5) and averager.applied == 1
 
 
 @pytest.mark.parametrize("trainers, every, epoch", [(1, 1, 5), (8, 2, 5)])
@@ -100,6 +118,7 @@ def test_no_state_round_alone_or_between_every_nth_epoch(trainers, every, epoch)
     averager = _FakeStateAverager()
     averager.pending = True  # finished: left for step() to apply, as no round is due anyway
     assert not _state_rounds(averager, trainers=trainers, every=every).due(epoch)
+    assert averager.applied == 0
 
 
 class _EpochEnd(SyncGradientsImpl):
@@ -155,7 +174,7 @@ def test_the_epoch_end_asks_for_a_state_round_after_the_gradient_round() -> None
         "gradient round",
         "state round applied",
         "optimizer step",
-        "state round 1 begun",
+        "state round 5 begun",
         "epoch advanced",
     ]
 
