@@ -213,31 +213,25 @@ class SyncGradientsImpl(AlgorithmImpl):
         config = self.context.config
         # no pause_updates() here: the tracker keeps publishing, so peers see this epoch's final count
         entering = self.state_rounds.next_epoch()
-        average_state = self.state_rounds.due(entering)
-        # the state round snapshots the parameters after this epoch's optimizer step on every peer (a
-        # delayed step runs it in the background job, right after the step), or peers would average
-        # parameters taken before the step on some and after it on others, and drift apart
-        # (this epoch's gradient round, just before it, tells the state round whom to expect)
-        begin_state_round = (
-            (lambda: self.state_rounds.begin(entering, after=self.grad_averager.last_round)) if average_state else None
-        )
         self._wait_background()  # the buffers and the optimizer must be free
         control, self.scheduled_round = self.scheduled_round, None
         if control is not None and control.done() and not control.triggered:
             control = None  # matchmaking failed or expired before the epoch ended
+        average_state = False
         if self._swarm_averaged_without_us(control):
             self._skip_round(control)
         else:
-            self._average_and_step(control, grad_scaler, then=begin_state_round)
+            average_state = self._average_and_step(control, grad_scaler, state_round=entering)
         apply_now = average_state and not config.delay_state_averaging and not self.background.pending
         self.context.advance_epoch(before_announcing=self.state_rounds.apply_now if apply_now else None)
         self.blocked_seconds += time.perf_counter() - started
 
     def _average_and_step(
-        self, control: StepControl | None, grad_scaler: BoundGradScaler | None, *, then: Callable[[], None] | None
-    ) -> None:
+        self, control: StepControl | None, grad_scaler: BoundGradScaler | None, *, state_round: int
+    ) -> bool:
         """This epoch's gradient round (or a solo step), then the optimizer step, now or in the background;
-        ``then`` runs right after the optimizer step (in the background job for delayed steps)."""
+        then the state round of epoch ``state_round``, if one is due, right after the optimizer step (in
+        the background job for delayed steps). Returns whether that state round was begun (or will be)."""
         config = self.context.config
         found_inf = grad_scaler is not None and config.reuse_grad_buffers and grad_scaler.unscale_and_check()
         if found_inf:
@@ -245,22 +239,38 @@ class SyncGradientsImpl(AlgorithmImpl):
             self.grad_averager.reset_accumulated_grads_()
         if self._alone(control):
             self._step_alone(control, found_inf=found_inf)
-            return  # alone: no state round either
+            return False  # alone: no state round either
         epoch = self.context.local_epoch  # the round's epoch (a delayed round ends after the peer entered the next)
         if config.delay_grad_averaging:
+            then = self._state_round_after_step(state_round)  # the round runs in the background: ask now
             control = self._begin_gradient_round(control, zero_weight=found_inf)
             finish = self._finish_gradient_round
             self.background.submit(_chain(lambda: finish(control, epoch=epoch, apply=not found_inf), then))
-            return
+            return then is not None
         control = self._begin_gradient_round(control, zero_weight=found_inf)
         averaged = self._wait_gradient_round(control, epoch=epoch)
+        # asked after the gradient round (the training thread's longest wait), when the previous state
+        # round has most likely ended: asked before it, rounds still running skipped every other epoch
+        then = self._state_round_after_step(state_round)
         if config.delay_optimizer_step:
             self.background.submit(_chain(lambda: self._apply_averaged_gradients(publish=False), then))
-            return
+            return then is not None
         if averaged or not found_inf:
             self._apply_averaged_gradients(publish=True)
         if then is not None:
             then()
+        return then is not None
+
+    def _state_round_after_step(self, entering: int) -> Callable[[], None] | None:
+        """What begins the state round of epoch ``entering`` if one is due (asked in the training thread).
+
+        The state round snapshots the parameters after this epoch's optimizer step on every peer (a
+        delayed step runs it in the background job, right after the step), or peers would average
+        parameters taken before the step on some and after it on others, and drift apart (this epoch's
+        gradient round, just before it, tells the state round whom to expect)."""
+        if not self.state_rounds.due(entering):
+            return None
+        return lambda: self.state_rounds.begin(entering, after=self.grad_averager.last_round)
 
     def _swarm_averaged_without_us(self, control: StepControl | None) -> bool:
         """Another peer already finished this epoch's round and this one never found its group: a new
