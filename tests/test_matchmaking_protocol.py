@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import replace
 
@@ -18,6 +19,7 @@ from hivemind_ext.averaging.matchmaking.board import (
     parse_board,
     sealed_write,
 )
+from hivemind_ext.averaging.matchmaking.confirmation import Confirmations, answer_limits
 from hivemind_ext.averaging.matchmaking.group import (
     Board,
     Commit,
@@ -32,15 +34,20 @@ from hivemind_ext.averaging.matchmaking.lifetimes import LAG_MARGIN, seal_expira
 from hivemind_ext.averaging.matchmaking.protocol import (
     DEPUTY_FRACTION,
     EAGER_POLLS,
+    SEAL_HORIZON,
     STALE_LEFT,
     Following,
     Leading,
     Looking,
+    leader_failed,
     next_attempt,
     step,
     withdrawal,
 )
 from hivemind_ext.averaging.matchmaking.simulation import LaggingDHT, SimulatedRound, simulate_round, simulated_peer_id
+from hivemind_ext.errors import ProtocolError
+from hivemind_ext.p2p.framing import pack_header
+from hivemind_ext.p2p.messages import Message
 
 NOW = 50.0
 
@@ -474,6 +481,111 @@ def test_next_attempt_is_deterministic_and_new() -> None:
     token = member(1).attempt
     assert next_attempt(token) == next_attempt(token) != token
     assert len(next_attempt(token)) == 16
+
+
+# ---------------------------------------------------------------- hostile leaders
+
+
+def _hostile_seal(me: Declaration, **fields) -> SealedGroup:
+    """A seal by peer 0 (who leads it) listing ``me``, with ``fields`` (commit_by, start_at) as it chose them."""
+    return replace(_sealed((member(0), me.member)), **fields)
+
+
+@pytest.mark.parametrize(
+    ("commit_by", "joined"),
+    [(NOW + 1.0, True), (NOW + SEAL_HORIZON * 1.0, True), (NOW + SEAL_HORIZON * 1.0 + 0.01, False), (900.0, False)],
+)
+def test_a_seal_whose_commit_time_lies_far_ahead_is_not_joined(commit_by: float, joined: bool) -> None:
+    # joined, such a seal held its member until the member's deadline (it waits one request_timeout
+    # past the commit time), however near the honest leaders around it were to forming a group
+    cfg = config()
+    me = declaration(2)
+    group = _hostile_seal(me, commit_by=commit_by)
+    result = step(Looking(me), NOW, board_of(me, sealed={group.group_id: group}), cfg)
+    assert isinstance(result.state, Following) == joined
+
+
+def test_a_seal_that_commits_after_my_deadline_is_not_joined() -> None:
+    cfg = config()
+    me = declaration(2, deadline=NOW + 2.0)
+    late = _hostile_seal(me, commit_by=NOW + 2.5)  # within the horizon, past my deadline: no honest leader does it
+    assert not isinstance(step(Looking(me), NOW, board_of(me, sealed={late.group_id: late}), cfg).state, Following)
+    honest = _hostile_seal(me, commit_by=NOW + 2.0 - cfg.poll_interval)
+    assert isinstance(step(Looking(me), NOW, board_of(me, sealed={honest.group_id: honest}), cfg).state, Following)
+
+
+@pytest.mark.parametrize(("start_at", "joined"), [(100.0, True), (100.01, False), (1e9, False), (-1e9, True)])
+def test_a_seal_that_starts_after_my_scheduled_time_is_not_joined(start_at: float, joined: bool) -> None:
+    # an honest leader that seals ahead starts the group when its first member is due (timing.group_start),
+    # never after any member's scheduled time; a start far ahead held every member until its deadline
+    # (the matchmaker sleeps until the start, capped at the deadline). One in the past costs nothing.
+    cfg = config()
+    me = declaration(2)  # scheduled at 100
+    group = _hostile_seal(me, start_at=start_at)
+    result = step(Looking(me), NOW, board_of(me, sealed={group.group_id: group}), cfg)
+    assert isinstance(result.state, Following) == joined
+
+
+def test_a_peer_does_not_join_seals_of_a_leader_it_ignores() -> None:
+    cfg = config()
+    me = declaration(2)
+    group = _hostile_seal(me)
+    board = board_of(me, sealed={group.group_id: group})
+    ignoring = Looking(me, ignored=((peer(0), NOW + 0.5),))
+    assert not isinstance(step(ignoring, NOW, board, cfg).state, Following)
+    assert isinstance(step(ignoring, NOW + 0.6, board, cfg).state, Following)  # the ignore ran out
+
+
+def test_a_member_that_left_a_lying_leader_does_not_join_its_next_seal() -> None:
+    # leader_failed ignores the leader; it used to seal the member's next attempt at once, and the member
+    # joined and waited on it again, attempt after attempt, until its deadline
+    cfg = config()
+    me = declaration(2)
+    first = _hostile_seal(me)
+    failed = leader_failed(Following(me, first), NOW, cfg)
+    again = failed.state.declaration
+    assert isinstance(failed.state, Looking) and again.member.key != me.member.key
+    second = _hostile_seal(again)
+    board = board_of(again, sealed={second.group_id: second})
+    assert not isinstance(step(failed.state, NOW + 0.1, board, cfg).state, Following)
+
+
+def test_a_leader_does_not_give_way_to_a_senior_seal_that_is_not_plausible() -> None:
+    cfg = config()
+    leading, board = _sealed_by_leader(cfg)  # led by peer 0, with peers 1-3
+    me = leading.declaration
+    hostile_leader = replace(member(0), peer_id=peer(0)[:-1])  # sorts before peer 0
+    assert hostile_leader.key < me.member.key
+    far = _sealed((hostile_leader, me.member), commit_by=NOW + 100.0)
+    result = step(leading, NOW + 0.1, board_after(sealed_write(far, 1_000.0), board=board), cfg)
+    assert isinstance(result.state, Leading) and result.state.group == leading.group
+
+
+def test_a_member_accepts_no_commit_answer_longer_than_its_group_allows() -> None:
+    # the answer used to be allowed MAX_GROUP_MEMBERS rows (half a megabyte), whatever the group
+    me = declaration(2)
+    group = _hostile_seal(me, direct=True)
+    limits = answer_limits(group)
+    longest_peer = replace(member(1), peer_id="1" * 128)
+    biggest_honest = _sealed((member(0), longest_peer, *(member(i) for i in range(3, 16))))
+    honest = {"group": biggest_honest.group_id, "members": [list(m.key) for m in biggest_honest.members]}
+    assert len(pack_header(honest, answer_limits(biggest_honest))) <= answer_limits(biggest_honest).max_header_bytes
+    assert answer_limits(biggest_honest).max_header_bytes < 4096  # 3.5 kB for 16 members, not 512 kB
+    refusal = {"error": "\u20ac" * 200}  # a refusal of 200 three-byte characters fits any group
+    pack_header(refusal, limits)
+
+    class HostileLeader:
+        """Answers every confirmation with the group, its two members, and a thousand rows of padding."""
+
+        async def call(self, peer_id, name, request, *, timeout, limits):
+            padding = [["1" * 128, "0" * 16]] * 1000
+            answer = {"group": group.group_id, "members": [list(m.key) for m in group.members], "pad": padding}
+            pack_header(answer, limits)  # what the caller's framing checks before it reads the header
+            return Message(answer)
+
+    confirmations = Confirmations(HostileLeader())
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        asyncio.run(confirmations.confirm(group, me.member.key, timeout=1.0))
 
 
 # ---------------------------------------------------------------- many peers over a simulated DHT

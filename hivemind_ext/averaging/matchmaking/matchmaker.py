@@ -127,7 +127,10 @@ Failure modes
   peer ids it makes up (a Sybil), which delays groups by up to ``request_timeout`` as a dead peer does.
   A peer that declares and never acts (never seals as a planned leader, never confirms) is left
   out of the plans of the peers it stalled for a few request timeouts (:class:`.protocol.Looking`),
-  so refreshing its declaration cannot hold a group back for ever.
+  so refreshing its declaration cannot hold a group back for ever; a peer does not join seals of a
+  leader it leaves out so (:func:`.protocol.plausible` and ``_offers``), nor seals whose commit or
+  start time no honest leader would choose (far ahead, after its own deadline or scheduled time),
+  and accepts no direct answer longer than a commit of its group (:func:`.confirmation.answer_limits`).
 """
 
 from __future__ import annotations

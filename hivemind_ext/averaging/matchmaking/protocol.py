@@ -76,6 +76,14 @@ shard's board (the shard holds fewer than ``target_group_size`` peers) moves to 
 intervals, and a peer that left before it could see its shard's peers would stall them."""
 
 
+SEAL_HORIZON = 3
+"""A seal whose commit time lies more than this many ``request_timeout`` ahead is not joined: an honest
+leader commits one ``request_timeout`` after sealing, and the rest covers clock skew between peers
+(hivemind allows a few seconds). A hostile leader's seal with a commit time far ahead used to hold
+each member that joined it until that member's deadline (it waits for the commit until one
+``request_timeout`` past the commit time); such a seal is also not joined if it commits after the
+member's own deadline, which no honest leader does (it commits one poll before the nearest one)."""
+
 Ignored = tuple[tuple[str, float], ...]  # (peer id, DHT time until which it is left out of plans)
 
 
@@ -190,8 +198,9 @@ def next_attempt(attempt: str) -> str:
 
 def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingConfig, direct: bool) -> Step:
     me = state.declaration
+    ignored = {peer for peer, until in state.ignored if until > now}
     # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
-    offers = _offers(me, now, board)
+    offers = _offers(me, now, board, config, state.ignored)
     if offers:
         return _join(me, min(offers, key=lambda g: g.group_id), now, config, state.ignored)  # any fixed tie-break
     if me.expiration == -math.inf:
@@ -203,7 +212,6 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         me, declare = _refresh(me, now, config)
         return Step(replace(state, declaration=me), declare, urgent=True)
     me, refresh = _refresh(me, now, config)
-    ignored = {peer for peer, until in state.ignored if until > now}
     overlay = {key: d for key, d in board.declarations.items() if d.member.peer_id not in ignored}
     overlay[me.member.key] = me  # my own declaration, even before the DHT shows it
     peers = looking_peers(now, replace(board, declarations=overlay), config)
@@ -288,7 +296,8 @@ def _ignore(ignored: Ignored, peers: set[str], now: float, config: MatchmakingCo
 
 def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingConfig) -> Step:
     group, me = state.group, state.declaration.member
-    senior = [g for g in _offers(state.declaration, now, board, group.group_id) if g.leader.key < me.key]
+    offers = _offers(state.declaration, now, board, config, state.ignored, group.group_id)
+    senior = [g for g in offers if g.leader.key < me.key]
     if senior:
         # Two leaders with different views sealed groups that share members: the lowest leader keeps
         # its group and the others join it (a leader does not confirm other groups while it leads,
@@ -337,7 +346,7 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
         if me.member.key in keys:
             members = tuple(m for m in group.members if m.key in keys)
             return Step(state, (), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
-        others = _offers(me, now, board, group.group_id)  # e.g. the group its leader gave way to
+        others = _offers(me, now, board, config, state.ignored, group.group_id)  # e.g. the group its leader gave way to
         if others:
             return _join(me, min(others, key=lambda g: g.group_id), now, config, state.ignored)
         return _retry(me, now, config, (), state.ignored)
@@ -356,10 +365,26 @@ def leader_failed(state: Following, now: float, config: MatchmakingConfig) -> St
     return _retry(me, now, config, (left,), _ignore(state.ignored, {state.group.leader.peer_id}, now, config))
 
 
-def _offers(me: Declaration, now: float, board: Board, mine: str | None = None) -> list[SealedGroup]:
-    """The open sealed groups that list this attempt of mine (other than ``mine``)."""
-    sealed = (g for g in board.sealed.values() if g.group_id != mine)
-    return [g for g in sealed if me.member.key in g.keys and is_open(g, now, board)]
+def _offers(
+    me: Declaration, now: float, board: Board, config: MatchmakingConfig, ignored: Ignored, mine: str | None = None
+) -> list[SealedGroup]:
+    """The open sealed groups that list this attempt of mine (other than ``mine``), sealed by a leader
+    this peer does not ignore (see :class:`Looking`: one that left this peer waiting, or whose direct
+    answer was a lie, would otherwise hold it again with every new seal), and :func:`plausible`."""
+    left_out = {peer for peer, until in ignored if until > now}
+    sealed = (g for g in board.sealed.values() if g.group_id != mine and g.leader.peer_id not in left_out)
+    return [g for g in sealed if me.member.key in g.keys and is_open(g, now, board) and plausible(g, me, now, config)]
+
+
+def plausible(group: SealedGroup, me: Declaration, now: float, config: MatchmakingConfig) -> bool:
+    """Whether ``group``, which lists ``me``, could have been sealed by an honest leader, as far as the
+    waits it would impose go: its commit time within :data:`SEAL_HORIZON` request timeouts and before
+    my deadline, and its start time (a group sealed ahead, see :mod:`.timing`) no later than my
+    scheduled time, since an honest leader starts the group when its first member is due. A hostile
+    seal with a commit or start time far ahead held every member it listed until its deadline."""
+    return group.commit_by <= min(me.deadline, now + SEAL_HORIZON * config.request_timeout) and (
+        group.start_at <= me.ready_at
+    )
 
 
 def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingConfig, ignored: Ignored) -> Step:
