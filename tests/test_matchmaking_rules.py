@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,7 @@ from hivemind_ext.averaging.matchmaking.board import (
     sealed_write,
 )
 from hivemind_ext.averaging.matchmaking.group import (
+    MAX_BANDWIDTH,
     POLLS_BEFORE_DEADLINE,
     Board,
     Commit,
@@ -82,6 +84,10 @@ def peers(count: int, **kwargs) -> list[Declaration]:
         dict(client_mode=True, auxiliary=True),
         dict(bandwidth=-1.0),
         dict(bandwidth=math.inf),
+        dict(bandwidth=math.nan),
+        dict(bandwidth=1e308),  # finite, and it failed every member's opt.step with a bare ValueError
+        dict(bandwidth=MAX_BANDWIDTH * 1.01),
+        dict(bandwidth=True),
         dict(bandwidth="fast"),
     ],
 )
@@ -356,6 +362,25 @@ def _sealed_value(*members_):
 def test_malformed_records_raise_protocol_error(subkey, value) -> None:
     with pytest.raises(ProtocolError):
         parse_record(subkey, value, 10.0)
+
+
+@pytest.mark.parametrize("bandwidth", [1e308, MAX_BANDWIDTH * 2, MAX_BANDWIDTH, 100.0, 0.0])
+def test_a_declared_bandwidth_is_capped_in_declarations_and_seals(bandwidth: float) -> None:
+    # 1e308 from one peer overflowed the part split and chunk size of every member of its group
+    expected = min(bandwidth, MAX_BANDWIDTH)
+    value = {**declaration_write(declaration(1)).value, "bandwidth": bandwidth}
+    assert parse_record("d/" + peer(1) + "/" + member(1).attempt, value, 10.0).member.bandwidth == expected
+    members = (member(1), replace(member(2), bandwidth=bandwidth))
+    sealed = parse_record("g/" + group_id_for(members), _sealed_value(*members), 10.0)
+    assert [m.bandwidth for m in sealed.members] == [1.0, expected]
+    assert sealed.group_id == group_id_for(members)  # the id does not depend on bandwidths
+
+
+@pytest.mark.parametrize("bandwidth", [math.inf, -math.inf, math.nan, -1.0, "fast", True, [1.0]])
+def test_a_non_finite_or_negative_declared_bandwidth_makes_the_record_malformed(bandwidth: object) -> None:
+    value = {**declaration_write(declaration(1)).value, "bandwidth": bandwidth}
+    with pytest.raises(ProtocolError, match="bandwidth"):
+        parse_record("d/" + peer(1) + "/" + member(1).attempt, value, 10.0)
 
 
 def test_sealed_members_must_be_ordered() -> None:

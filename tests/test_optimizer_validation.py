@@ -75,3 +75,12 @@ def test_the_longest_run_id_fits_every_name_built_from_it(dht: hivemind.DHT, alg
     run_id = "r" * (MAX_RUN_ID_LENGTH - 1) + ("a" if algorithm is None else "b")
     opt = make(dht, torch.nn.Linear(4, 2), run_id=run_id, algorithm=algorithm)
     opt.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bandwidth", [1e308, float("inf"), float("nan"), -1.0, "fast"])
+def test_a_bad_bandwidth_is_refused_at_construction(dht: hivemind.DHT, bandwidth: object) -> None:
+    """1e308 used to pass, and then failed the first ``opt.step`` of every member of the peer's group with
+    a bare ValueError (the chunk size overflowed); every such value is refused before anything runs."""
+    with pytest.raises(ConfigurationError, match="bandwidth must be None or a number in"):
+        make(dht, torch.nn.Linear(4, 2), averager_opts={"bandwidth": bandwidth})

@@ -58,6 +58,13 @@ from hivemind_ext.errors import ConfigurationError
 PeerKey = tuple[str, str]
 """(peer id in base58, attempt token): one peer's one try at finding a group in one round."""
 
+MAX_BANDWIDTH = 1e9
+"""The largest bandwidth a peer may declare, in the unit peers declare it in (Mbit/s by default: a
+petabit per second, far above any link, and far below where the group's sums overflow). A user's
+larger ``bandwidth`` is a :class:`ConfigurationError`; a larger one declared by another peer counts
+as this much (:func:`capped_bandwidth`): 1e308 from one peer overflowed the part-split and chunk-size
+arithmetic and failed every member's ``opt.step`` with a bare ValueError."""
+
 POLLS_BEFORE_DEADLINE = 5
 MAX_FINGERPRINT_CHARS = 128  # a digest; bounds what a declaration may carry
 """A peer is not put into a new group when its deadline is fewer than this many polls away: the
@@ -127,8 +134,10 @@ class MatchmakingConfig:
         self._check_times()
         if self.client_mode and self.auxiliary:
             raise ConfigurationError("an auxiliary peer must accept connections: it cannot be in client mode")
-        if self.bandwidth is not None and not (_is_number(self.bandwidth) and 0 <= self.bandwidth < math.inf):
-            raise ConfigurationError(f"bandwidth must be None or a finite non-negative number, got {self.bandwidth!r}")
+        if self.bandwidth is not None and not (_is_number(self.bandwidth) and 0 <= self.bandwidth <= MAX_BANDWIDTH):
+            raise ConfigurationError(
+                f"bandwidth must be None or a number in [0, {MAX_BANDWIDTH:g}] (Mbit/s), got {self.bandwidth!r}"
+            )
 
     @property
     def group_key(self) -> str:
@@ -277,6 +286,11 @@ class GroupInfo:
             if member.peer_id == wanted:
                 return index
         raise ValueError(f"{wanted} is not a member of group {self.group_id.hex()}")
+
+
+def capped_bandwidth(bandwidth: float) -> float:
+    """A finite, non-negative bandwidth declared by a peer, capped at :data:`MAX_BANDWIDTH`."""
+    return min(float(bandwidth), MAX_BANDWIDTH)
 
 
 def group_id_for(members: Iterable[Member]) -> str:
