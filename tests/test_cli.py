@@ -291,6 +291,32 @@ def test_aux_gives_up_on_a_hung_dht_at_its_deadline(
     assert [dht.shut_down for dht in StuckDHT.made] == [True]
 
 
+@pytest.mark.timeout(30)
+def test_the_monitor_and_the_demo_peer_give_up_on_a_dht_that_never_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hivemind
+
+    import hivemind_ext.demo.peer
+    import hivemind_ext.monitoring.cli
+    from hivemind_ext.demo.data import DigitsData
+
+    monkeypatch.setattr(hivemind, "DHT", StuckDHT)
+    monkeypatch.setattr(hivemind_ext.monitoring.cli, "DHT_START_TIMEOUT", 0.2, raising=False)
+    monkeypatch.setattr(hivemind_ext.demo.peer, "DHT_START_TIMEOUT", 0.2, raising=False)
+    StuckDHT.made.clear()
+    started = time.monotonic()
+    assert run(["monitor", "--run-id", "r", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{A_PEER_ID}"]) == 1
+    assert time.monotonic() - started < 3.0
+    assert "hivemind-ext monitor failed: DeadlineExceededError: the DHT did not start" in capsys.readouterr().out
+    config = hivemind_ext.demo.peer.PeerConfig(index=0, data=DigitsData.__new__(DigitsData))
+    started = time.monotonic()
+    with pytest.raises(hivemind_ext.demo.peer.PeerStartError, match=r"could not start the DHT.*did not start within"):
+        hivemind_ext.demo.peer.start_dht(config, [])
+    assert time.monotonic() - started < 3.0
+    assert [dht.shut_down for dht in StuckDHT.made] == [True, True]
+
+
 # ------------------------------------------------------------------- README: training across machines
 
 

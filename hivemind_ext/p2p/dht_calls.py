@@ -153,22 +153,25 @@ def add_validators(dht: DHTLike | Any, validators: Iterable[Any], *, timeout: fl
     _blocking(dht, partial(_extend_validators, validators=list(validators)), "add validators", timeout)
 
 
-def dht_peer_id(dht: DHTLike | Any, *, timeout: float = DEFAULT_DHT_TIMEOUT) -> Any:
+def dht_peer_id(dht: DHTLike | Any, *, timeout: float | None = None) -> Any:
     """``dht.peer_id``, from any thread, with a deadline. hivemind's property asks the DHT process the
     first time (a round trip without a timeout: it waits for ever on a hung process) and keeps the
     answer; this asks the same question with a deadline and leaves the answer where the property
-    finds it, so that later reads of ``dht.peer_id`` return at once. Errors as :func:`add_validators`."""
-    return _cached(dht, "_peer_id", _get_peer_id, "peer id", timeout)
+    finds it, so that later reads of ``dht.peer_id`` return at once. ``timeout``: seconds (None:
+    :data:`DEFAULT_DHT_TIMEOUT`). Errors as :func:`add_validators`; a DHT-like object without
+    ``run_coroutine`` (a test double) is read as it is."""
+    return _cached(dht, "_peer_id", "peer_id", _get_peer_id, "peer id", timeout)
 
 
-def dht_client_mode(dht: DHTLike | Any, *, timeout: float = DEFAULT_DHT_TIMEOUT) -> bool:
+def dht_client_mode(dht: DHTLike | Any, *, timeout: float | None = None) -> bool:
     """``dht.client_mode``, from any thread, with a deadline (see :func:`dht_peer_id`)."""
-    return bool(_cached(dht, "_client_mode", _get_client_mode, "client mode", timeout))
+    return bool(_cached(dht, "_client_mode", "client_mode", _get_client_mode, "client mode", timeout))
 
 
-def visible_maddrs(dht: DHTLike | Any, *, latest: bool = False, timeout: float = DEFAULT_DHT_TIMEOUT) -> list[Any]:
+def visible_maddrs(dht: DHTLike | Any, *, latest: bool = False, timeout: float | None = None) -> list[Any]:
     """``dht.get_visible_maddrs(latest)``, from any thread, with a deadline (hivemind's call has none;
-    ``latest`` asks the daemon to refresh them). Errors as :func:`add_validators`."""
+    ``latest`` asks the daemon to refresh them; ``timeout`` as :func:`dht_peer_id`). Errors as
+    :func:`add_validators`."""
     return list(_blocking(dht, partial(_get_visible_maddrs, latest=latest), "visible multiaddrs", timeout))
 
 
@@ -194,22 +197,26 @@ def check_timeout(timeout: Any) -> float:
     return float(timeout)
 
 
-def _cached(dht: Any, attribute: str, coro: Callable[..., Awaitable[T]], what: str, timeout: float) -> T:
+def _cached(
+    dht: Any, attribute: str, public: str, coro: Callable[..., Awaitable[T]], what: str, timeout: float | None
+) -> T:
     """hivemind's cached answer in ``dht.<attribute>`` if it has one, else the DHT process's answer
     (then cached there too, where the DHT keeps it: a ``hivemind.DHT``, not a DHT-like wrapper)."""
     cached = getattr(dht, attribute, None)
     if cached is not None:
         return cached
+    if not hasattr(dht, "run_coroutine"):
+        return getattr(dht, public)
     answer = _blocking(dht, coro, what, timeout)
     if isinstance(dht, hivemind.DHT):
         setattr(dht, attribute, answer)
     return answer
 
 
-def _blocking(dht: Any, coro: Callable[..., Awaitable[T]], what: str, timeout: float) -> T:
+def _blocking(dht: Any, coro: Callable[..., Awaitable[T]], what: str, timeout: float | None) -> T:
     """Runs ``coro(dht, node)`` in the DHT process and waits for its answer for at most ``timeout``
-    seconds, from any thread (not from the DHT process itself)."""
-    check_timeout(timeout)
+    seconds (None: :data:`DEFAULT_DHT_TIMEOUT`), from any thread (not from the DHT process itself)."""
+    timeout = check_timeout(DEFAULT_DHT_TIMEOUT if timeout is None else timeout)
     future = DHTCalls._send(lambda: dht.run_coroutine(coro, return_future=True), what)
     try:
         return future.result(timeout)
