@@ -13,6 +13,7 @@ from matchmaking_builders import board_of, config, declaration, member, peer
 
 from hivemind_ext.averaging.matchmaking.board import (
     Write,
+    board_key,
     commit_write,
     declaration_write,
     marker_write,
@@ -21,6 +22,7 @@ from hivemind_ext.averaging.matchmaking.board import (
 )
 from hivemind_ext.averaging.matchmaking.confirmation import Confirmations, answer_limits
 from hivemind_ext.averaging.matchmaking.group import (
+    SEAL_HORIZON,
     Board,
     Commit,
     Declaration,
@@ -34,7 +36,6 @@ from hivemind_ext.averaging.matchmaking.lifetimes import LAG_MARGIN, seal_expira
 from hivemind_ext.averaging.matchmaking.protocol import (
     DEPUTY_FRACTION,
     EAGER_POLLS,
-    SEAL_HORIZON,
     STALE_LEFT,
     Following,
     Leading,
@@ -679,3 +680,24 @@ def test_a_simulated_round_lists_its_live_peers_in_no_group() -> None:
     assert result.ungrouped == () and len(result.groups) == 2
     alone = simulate_round(peers, cfg, swarm_size=None, seed=0, spread=0.0, until=3.0, dying=list(peers)[1:])
     assert alone.ungrouped == (simulated_peer_id(0),) and not alone.groups
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_honest_peers_group_around_a_leader_that_seals_them_all_with_a_far_commit_time(seed: int) -> None:
+    # A hostile peer (the lowest peer id) seals every honest peer's first attempt into a pair with itself,
+    # with a commit time far ahead, and never commits: each honest peer joined its seal and waited on it
+    # until its deadline (here: `until`), and no group formed at all.
+    cfg = config(min_matchmaking_time=1.0)
+    count, until = 8, 20.0
+    hostile = replace(member(0), peer_id=peer(0)[:-1])  # sorts before every honest peer
+    planted = []
+    for i in range(count):
+        members = (hostile, member(i))
+        group = SealedGroup(group_id_for(members), members, commit_by=1_000.0)
+        planted.append((board_key("run"), sealed_write(group, 10_000.0)))
+    result = simulate_round(
+        {peer(i): () for i in range(count)}, cfg, swarm_size=None, seed=seed, max_lag=0.05, until=until, planted=planted
+    )
+    check_agreement(result, cfg, count)
+    assert result.ungrouped == () and len(result.groups) == count
+    assert max(result.found_at.values()) < 3.0  # their scheduled time (1 s after they started), and a few polls

@@ -230,16 +230,21 @@ def test_looking_peers_skips_expired_other_prefix_and_near_deadline() -> None:
 
 
 def test_looking_peers_skips_attempts_claimed_by_open_groups_and_commits() -> None:
-    d = [declaration(i) for i in range(4)]
-    open_group = SealedGroup(group_id_for([d[0].member]), (d[0].member,), commit_by=60.0)
+    d = [declaration(i) for i in range(6)]
+    open_group = SealedGroup(group_id_for([d[0].member]), (d[0].member,), commit_by=51.0)
     closed_group = SealedGroup(group_id_for([d[1].member]), (d[1].member,), commit_by=40.0)  # past commit_by
     committed = Commit("ab" * 16, (d[2].member.key,))
+    # not plausible (see group.plausible): a hostile seal that would take d[4] and d[5] out of everyone's
+    # plans until its far commit time, or until their deadlines
+    far = SealedGroup(group_id_for([d[4].member]), (d[4].member,), commit_by=60.0)
+    late_start = SealedGroup(group_id_for([d[5].member]), (d[5].member,), commit_by=51.0, start_at=500.0)
     board = board_of(
         *d,
-        sealed={g.group_id: g for g in (open_group, closed_group)},
+        sealed={g.group_id: g for g in (open_group, closed_group, far, late_start)},
         commits={committed.group_id: committed},
     )
-    assert [x.member for x in looking_peers(50.0, board, config())] == [d[1].member, d[3].member]
+    expected = [d[1].member, d[3].member, d[4].member, d[5].member]
+    assert [x.member for x in looking_peers(50.0, board, config())] == expected
 
 
 def test_a_peer_with_two_live_attempts_counts_once_with_the_fresher_one() -> None:

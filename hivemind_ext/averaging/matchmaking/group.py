@@ -65,6 +65,11 @@ larger ``bandwidth`` is a :class:`ConfigurationError`; a larger one declared by 
 as this much (:func:`capped_bandwidth`): 1e308 from one peer overflowed the part-split and chunk-size
 arithmetic and failed every member's ``opt.step`` with a bare ValueError."""
 
+SEAL_HORIZON = 3
+"""A seal whose commit time lies more than this many ``request_timeout`` ahead is not joined (see
+:func:`plausible`): an honest leader commits one ``request_timeout`` after sealing, and the rest
+covers clock skew between peers (hivemind allows a few seconds)."""
+
 POLLS_BEFORE_DEADLINE = 5
 MAX_FINGERPRINT_CHARS = 128  # a digest; bounds what a declaration may carry
 """A peer is not put into a new group when its deadline is fewer than this many polls away: the
@@ -305,15 +310,35 @@ def is_open(group: SealedGroup, now: float, board: Board) -> bool:
     return group.group_id not in board.commits and now <= group.commit_by
 
 
+def plausible(group: SealedGroup, member: Declaration, now: float, config: MatchmakingConfig) -> bool:
+    """Whether ``group``, which lists ``member``, could have been sealed by an honest leader, as far as
+    the waits it imposes on that member go: its commit time within :data:`SEAL_HORIZON` request
+    timeouts and before the member's deadline (an honest leader commits one poll before the nearest
+    deadline), and its start time (a group sealed ahead, see :mod:`.timing`) no later than the member's
+    scheduled time (an honest leader starts the group when its first member is due). A member does not
+    join any other seal, and planners do not count it as claiming the member (:func:`looking_peers`):
+    a hostile seal with a commit or start time far ahead held every member it listed until its
+    deadline, and took it out of every honest peer's plans until then."""
+    return group.commit_by <= min(member.deadline, now + SEAL_HORIZON * config.request_timeout) and (
+        group.start_at <= member.ready_at
+    )
+
+
 def looking_peers(now: float, board: Board, config: MatchmakingConfig) -> list[Declaration]:
     """The declarations that may be put into a new group, most senior first.
 
     Skipped: other group keys (and declarations whose coordinates are not of this shard), expired
-    records, peers too close to their deadline, and attempts that an open sealed group or a commit
-    already claims. A peer seen with several live attempts (an old one it failed to withdraw) counts
-    once, with the attempt it refreshed last.
+    records, peers too close to their deadline, and attempts that an open sealed group (one that is
+    :func:`plausible` for that attempt) or a commit already claims. A peer seen with several live
+    attempts (an old one it failed to withdraw) counts once, with the attempt it refreshed last.
     """
-    claimed = {key for group in board.sealed.values() if is_open(group, now, board) for key in group.keys}
+    claimed = {
+        key
+        for group in board.sealed.values()
+        if is_open(group, now, board)
+        for key in group.keys
+        if key not in board.declarations or plausible(group, board.declarations[key], now, config)
+    }
     claimed.update(key for commit in board.commits.values() for key in commit.members)
     latest: dict[str, Declaration] = {}
     for declaration in board.declarations.values():

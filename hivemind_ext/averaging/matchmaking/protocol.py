@@ -30,6 +30,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     is_open,
     is_viable,
     looking_peers,
+    plausible,
 )
 from hivemind_ext.averaging.matchmaking.lifetimes import commit_writes, marker_record, seal_record
 from hivemind_ext.averaging.matchmaking.rotation import coarser
@@ -75,14 +76,6 @@ shard's board (the shard holds fewer than ``target_group_size`` peers) moves to 
 (see :mod:`.rotation`). Reads count too: on a loaded machine a read can take several poll
 intervals, and a peer that left before it could see its shard's peers would stall them."""
 
-
-SEAL_HORIZON = 3
-"""A seal whose commit time lies more than this many ``request_timeout`` ahead is not joined: an honest
-leader commits one ``request_timeout`` after sealing, and the rest covers clock skew between peers
-(hivemind allows a few seconds). A hostile leader's seal with a commit time far ahead used to hold
-each member that joined it until that member's deadline (it waits for the commit until one
-``request_timeout`` past the commit time); such a seal is also not joined if it commits after the
-member's own deadline, which no honest leader does (it commits one poll before the nearest one)."""
 
 Ignored = tuple[tuple[str, float], ...]  # (peer id, DHT time until which it is left out of plans)
 
@@ -370,21 +363,10 @@ def _offers(
 ) -> list[SealedGroup]:
     """The open sealed groups that list this attempt of mine (other than ``mine``), sealed by a leader
     this peer does not ignore (see :class:`Looking`: one that left this peer waiting, or whose direct
-    answer was a lie, would otherwise hold it again with every new seal), and :func:`plausible`."""
+    answer was a lie, would otherwise hold it again with every new seal), and :func:`.group.plausible`."""
     left_out = {peer for peer, until in ignored if until > now}
     sealed = (g for g in board.sealed.values() if g.group_id != mine and g.leader.peer_id not in left_out)
     return [g for g in sealed if me.member.key in g.keys and is_open(g, now, board) and plausible(g, me, now, config)]
-
-
-def plausible(group: SealedGroup, me: Declaration, now: float, config: MatchmakingConfig) -> bool:
-    """Whether ``group``, which lists ``me``, could have been sealed by an honest leader, as far as the
-    waits it would impose go: its commit time within :data:`SEAL_HORIZON` request timeouts and before
-    my deadline, and its start time (a group sealed ahead, see :mod:`.timing`) no later than my
-    scheduled time, since an honest leader starts the group when its first member is due. A hostile
-    seal with a commit or start time far ahead held every member it listed until its deadline."""
-    return group.commit_by <= min(me.deadline, now + SEAL_HORIZON * config.request_timeout) and (
-        group.start_at <= me.ready_at
-    )
 
 
 def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingConfig, ignored: Ignored) -> Step:
