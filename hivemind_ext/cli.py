@@ -23,6 +23,8 @@ from hivemind_ext.demo.options import OneLineErrorParser, check_args
 from hivemind_ext.monitoring.cli import add_monitor_parser, run_monitor
 
 DEFAULT_HOST_MADDRS = ["/ip4/0.0.0.0/tcp/0"]
+DHT_START_TIMEOUT = 60.0  # seconds for the DHT to start (its daemon, then the bootstrap)
+DHT_CALL_TIMEOUT = 30.0  # seconds for each question to the running DHT process
 EXIT_OK, EXIT_ERROR = 0, 1
 
 
@@ -194,6 +196,7 @@ def run_aux(args: argparse.Namespace) -> int:
     import hivemind
 
     from hivemind_ext.optim.auxiliary import run_auxiliary_peer
+    from hivemind_ext.p2p.dht_calls import dht_client_mode, dht_peer_id, start_dht, visible_maddrs
 
     stop = threading.Event()
     previous = _stop_on_signals(stop) if threading.current_thread() is threading.main_thread() else {}
@@ -204,10 +207,16 @@ def run_aux(args: argparse.Namespace) -> int:
         dht_kwargs["identity_path"] = args.identity_path
     dht = None
     try:
-        dht = hivemind.DHT(initial_peers=args.initial_peers, start=True, **dht_kwargs)
+        # every wait on the DHT has a deadline: a daemon, bootstrap or DHT process that hangs ends the
+        # command with a DeadlineExceededError instead of holding it for ever
+        dht = hivemind.DHT(initial_peers=args.initial_peers, start=False, **dht_kwargs)
+        start_dht(dht, timeout=DHT_START_TIMEOUT)
         _print("auxiliary peer is listening on:")
-        for maddr in dht.get_visible_maddrs():
+        for maddr in visible_maddrs(dht, timeout=DHT_CALL_TIMEOUT):
             _print(f"  {maddr}")
+        # asked once here with a deadline; the DHT keeps the answers for the components that read them
+        dht_peer_id(dht, timeout=DHT_CALL_TIMEOUT)
+        dht_client_mode(dht, timeout=DHT_CALL_TIMEOUT)
         _print(f"helping run {args.run_id!r} (target batch size {args.target_batch_size})")
         rounds = run_auxiliary_peer(
             dht,

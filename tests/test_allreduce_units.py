@@ -32,7 +32,7 @@ from hivemind_ext.averaging.allreduce.wire import (
     result_message,
     unpack_gather,
 )
-from hivemind_ext.averaging.matchmaking.group import Member
+from hivemind_ext.averaging.matchmaking.group import MAX_BANDWIDTH, Member
 from hivemind_ext.averaging.tensor_layout import TensorSpec, chunk_numel, parse_tensor_list
 from hivemind_ext.compression import (
     BFloat16Compression,
@@ -116,6 +116,26 @@ def test_undeclared_bandwidth_is_the_mean_of_the_declared_ones() -> None:
 
 def members_at(*mbit: float | None) -> list[Member]:
     return [Member(f"peer{i}", "x", bandwidth) for i, bandwidth in enumerate(mbit)]
+
+
+def test_huge_declared_bandwidths_still_plan_a_round() -> None:
+    # four members at 1e308 Mbit/s: int(inf // quantum) raised a bare ValueError in every member's opt.step
+    limit = 2 * 1024 * 1024
+    assert round_chunk_bytes(members_at(1e308, 1e308, 1e308, 1e308), limit) == limit
+    assert round_chunk_bytes(members_at(1e308, 100.0, 100.0, 100.0), limit) == 6 * CHUNK_QUANTUM_BYTES
+    roles = member_roles(members_at(1e308, None, 1e308))  # the mean of 1e308s overflowed to inf
+    assert [role.bandwidth for role in roles] == [MAX_BANDWIDTH] * 3
+    layout = plan_round_layout(specs((1000,)), members_at(1e308, 1e308, 1e308, 1e308), limit)
+    assert [p.size for p in layout.parts] == [250] * 4
+
+
+@given(st.lists(st.none() | st.floats(0.0, 1e308) | st.sampled_from([0.0, 5e-324, 1e308]), min_size=1, max_size=8))
+@settings(max_examples=200, deadline=None)
+def test_any_finite_declared_bandwidths_plan_a_round(bandwidths: list[float | None]) -> None:
+    limit = 2 * 1024 * 1024
+    layout = plan_round_layout(specs((997,)), members_at(*bandwidths), limit)
+    assert sum(p.size for p in layout.parts) == 997
+    assert 0 < layout.part_size_bytes <= limit
 
 
 def test_chunk_size_follows_the_slowest_declared_link() -> None:

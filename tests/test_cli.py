@@ -4,6 +4,7 @@ command it prints, bad addresses end in one line, and Ctrl-C stops everything wi
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.metadata
 import os
 import re
@@ -211,6 +212,109 @@ def test_a_join_whose_swarm_is_gone_gives_up_in_one_line() -> None:
             assert "Traceback" not in joiner.output, joiner.output
     finally:
         initial.shutdown()
+
+
+# ------------------------------------------------------------------------------ aux: a hung DHT
+
+
+class StuckDHT:
+    """Stands for ``hivemind.DHT`` in ``hivemind-ext aux``: its start never completes (a daemon or a
+    bootstrap that hangs). A wait without a deadline fails after 5 s instead of hanging the test."""
+
+    made: list[StuckDHT] = []
+
+    def __init__(self, initial_peers=None, *, start: bool, **kwargs) -> None:
+        self.shut_down = False
+        StuckDHT.made.append(self)
+        if start:
+            self.run_in_background(await_ready=True)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        time.sleep(5.0 if timeout is None else min(timeout, 5.0))
+        if timeout is None:
+            raise AssertionError("waited for the DHT to start without a deadline")
+        raise TimeoutError
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class MuteDHT(StuckDHT):
+    """Starts, then its process never answers a question (``get_visible_maddrs``, ``peer_id``...)."""
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        return
+
+    def run_coroutine(self, coro, return_future: bool = False):
+        if not return_future:
+            time.sleep(5.0)
+            raise AssertionError("asked the DHT without a deadline")
+        return concurrent.futures.Future()
+
+    def get_visible_maddrs(self, latest: bool = False):
+        return self.run_coroutine(None)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("dht_class", "what"), [(StuckDHT, "did not start"), (MuteDHT, "visible multiaddrs")])
+def test_aux_gives_up_on_a_hung_dht_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dht_class: type, what: str
+) -> None:
+    """``hivemind.DHT(start=True)`` and ``get_visible_maddrs()`` wait for ever on a DHT that hangs; the command
+    gives up after its deadlines with one line naming the wait, and shuts the DHT down."""
+    import hivemind
+
+    import hivemind_ext.cli
+
+    monkeypatch.setattr(hivemind, "DHT", dht_class)
+    monkeypatch.setattr(hivemind_ext.cli, "DHT_START_TIMEOUT", 0.2, raising=False)
+    monkeypatch.setattr(hivemind_ext.cli, "DHT_CALL_TIMEOUT", 0.2, raising=False)
+    StuckDHT.made.clear()
+    args = [
+        "aux",
+        "--initial-peers",
+        f"/ip4/127.0.0.1/tcp/1/p2p/{A_PEER_ID}",
+        "--run-id",
+        "r",
+        "--target-batch-size",
+        "8",
+    ]
+    started = time.monotonic()
+    assert run(args) == 1
+    assert time.monotonic() - started < 3.0
+    output = capsys.readouterr().out
+    assert "hivemind-ext aux failed: DeadlineExceededError: " in output and what in output, output
+    assert [dht.shut_down for dht in StuckDHT.made] == [True]
+
+
+@pytest.mark.timeout(30)
+def test_the_monitor_and_the_demo_peer_give_up_on_a_dht_that_never_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hivemind
+
+    import hivemind_ext.demo.peer
+    import hivemind_ext.monitoring.cli
+    from hivemind_ext.demo.data import DigitsData
+
+    monkeypatch.setattr(hivemind, "DHT", StuckDHT)
+    monkeypatch.setattr(hivemind_ext.monitoring.cli, "DHT_START_TIMEOUT", 0.2, raising=False)
+    monkeypatch.setattr(hivemind_ext.demo.peer, "DHT_START_TIMEOUT", 0.2, raising=False)
+    StuckDHT.made.clear()
+    started = time.monotonic()
+    assert run(["monitor", "--run-id", "r", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{A_PEER_ID}"]) == 1
+    assert time.monotonic() - started < 3.0
+    assert "hivemind-ext monitor failed: DeadlineExceededError: the DHT did not start" in capsys.readouterr().out
+    config = hivemind_ext.demo.peer.PeerConfig(index=0, data=DigitsData.__new__(DigitsData))
+    started = time.monotonic()
+    with pytest.raises(hivemind_ext.demo.peer.PeerStartError, match=r"could not start the DHT.*did not start within"):
+        hivemind_ext.demo.peer.start_dht(config, [])
+    assert time.monotonic() - started < 3.0
+    assert [dht.shut_down for dht in StuckDHT.made] == [True, True]
 
 
 # ------------------------------------------------------------------- README: training across machines

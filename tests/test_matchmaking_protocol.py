@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import replace
 
@@ -12,13 +13,16 @@ from matchmaking_builders import board_of, config, declaration, member, peer
 
 from hivemind_ext.averaging.matchmaking.board import (
     Write,
+    board_key,
     commit_write,
     declaration_write,
     marker_write,
     parse_board,
     sealed_write,
 )
+from hivemind_ext.averaging.matchmaking.confirmation import Confirmations, answer_limits
 from hivemind_ext.averaging.matchmaking.group import (
+    SEAL_HORIZON,
     Board,
     Commit,
     Declaration,
@@ -36,11 +40,15 @@ from hivemind_ext.averaging.matchmaking.protocol import (
     Following,
     Leading,
     Looking,
+    leader_failed,
     next_attempt,
     step,
     withdrawal,
 )
 from hivemind_ext.averaging.matchmaking.simulation import LaggingDHT, SimulatedRound, simulate_round, simulated_peer_id
+from hivemind_ext.errors import ProtocolError
+from hivemind_ext.p2p.framing import pack_header
+from hivemind_ext.p2p.messages import Message
 
 NOW = 50.0
 
@@ -476,6 +484,119 @@ def test_next_attempt_is_deterministic_and_new() -> None:
     assert len(next_attempt(token)) == 16
 
 
+# ---------------------------------------------------------------- hostile leaders
+
+
+def _hostile_seal(me: Declaration, **fields) -> SealedGroup:
+    """A seal by peer 0 (who leads it) listing ``me``, with ``fields`` (commit_by, start_at) as it chose them."""
+    return replace(_sealed((member(0), me.member)), **fields)
+
+
+@pytest.mark.parametrize(
+    ("commit_by", "joined"),
+    [(NOW + 1.0, True), (NOW + SEAL_HORIZON * 1.0, True), (NOW + SEAL_HORIZON * 1.0 + 0.01, False), (900.0, False)],
+)
+def test_a_seal_whose_commit_time_lies_far_ahead_is_not_joined(commit_by: float, joined: bool) -> None:
+    # joined, such a seal held its member until the member's deadline (it waits one request_timeout
+    # past the commit time), however near the honest leaders around it were to forming a group
+    cfg = config()
+    me = declaration(2)
+    group = _hostile_seal(me, commit_by=commit_by)
+    result = step(Looking(me), NOW, board_of(me, sealed={group.group_id: group}), cfg)
+    assert isinstance(result.state, Following) == joined
+
+
+def test_a_seal_that_commits_after_my_deadline_is_not_joined() -> None:
+    cfg = config()
+    me = declaration(2, deadline=NOW + 2.0)
+    late = _hostile_seal(me, commit_by=NOW + 2.5)  # within the horizon, past my deadline: no honest leader does it
+    assert not isinstance(step(Looking(me), NOW, board_of(me, sealed={late.group_id: late}), cfg).state, Following)
+    honest = _hostile_seal(me, commit_by=NOW + 2.0 - cfg.poll_interval)
+    assert isinstance(step(Looking(me), NOW, board_of(me, sealed={honest.group_id: honest}), cfg).state, Following)
+
+
+@pytest.mark.parametrize(("start_at", "joined"), [(100.0, True), (100.01, False), (1e9, False), (-1e9, True)])
+def test_a_seal_that_starts_after_my_scheduled_time_is_not_joined(start_at: float, joined: bool) -> None:
+    # an honest leader that seals ahead starts the group when its first member is due (timing.group_start),
+    # never after any member's scheduled time; a start far ahead held every member until its deadline
+    # (the matchmaker sleeps until the start, capped at the deadline). One in the past costs nothing.
+    cfg = config()
+    me = declaration(2)  # scheduled at 100
+    group = _hostile_seal(me, start_at=start_at)
+    result = step(Looking(me), NOW, board_of(me, sealed={group.group_id: group}), cfg)
+    assert isinstance(result.state, Following) == joined
+
+
+def test_a_peer_does_not_join_seals_of_a_leader_that_failed_it_but_joins_one_it_only_ignores() -> None:
+    cfg = config()
+    me = declaration(2)
+    group = _hostile_seal(me)
+    board = board_of(me, sealed={group.group_id: group})
+    shunning = Looking(me, ignored=((peer(0), NOW + 0.5),), shunned=((peer(0), NOW + 0.5),))
+    assert not isinstance(step(shunning, NOW, board, cfg).state, Following)
+    assert isinstance(step(shunning, NOW + 0.6, board, cfg).state, Following)  # it ran out
+    # left out of plans only (it was slow to seal, or did not confirm: maybe an honest peer that lagged):
+    # its seal is joined, which is what reconciles honest peers that ignore each other
+    ignoring = Looking(me, ignored=((peer(0), NOW + 0.5),))
+    assert isinstance(step(ignoring, NOW, board, cfg).state, Following)
+
+
+def test_a_member_that_left_a_lying_leader_does_not_join_its_next_seal() -> None:
+    # leader_failed ignores the leader; it used to seal the member's next attempt at once, and the member
+    # joined and waited on it again, attempt after attempt, until its deadline
+    cfg = config()
+    me = declaration(2)
+    first = _hostile_seal(me)
+    failed = leader_failed(Following(me, first), NOW, cfg)
+    again = failed.state.declaration
+    assert isinstance(failed.state, Looking) and again.member.key != me.member.key
+    second = _hostile_seal(again)
+    board = board_of(again, sealed={second.group_id: second})
+    assert not isinstance(step(failed.state, NOW + 0.1, board, cfg).state, Following)
+    # nor after joining another group and being left out of its commit (the shunning is carried along)
+    other = _sealed((member(1), again.member))
+    joined = step(failed.state, NOW + 0.1, board_of(again, sealed={other.group_id: other}), cfg).state
+    assert isinstance(joined, Following) and joined.shunned == failed.state.shunned
+
+
+def test_a_leader_does_not_give_way_to_a_senior_seal_that_is_not_plausible() -> None:
+    cfg = config()
+    leading, board = _sealed_by_leader(cfg)  # led by peer 0, with peers 1-3
+    me = leading.declaration
+    hostile_leader = replace(member(0), peer_id=peer(0)[:-1])  # sorts before peer 0
+    assert hostile_leader.key < me.member.key
+    far = _sealed((hostile_leader, me.member), commit_by=NOW + 100.0)
+    result = step(leading, NOW + 0.1, board_after(sealed_write(far, 1_000.0), board=board), cfg)
+    assert isinstance(result.state, Leading) and result.state.group == leading.group
+
+
+def test_a_member_accepts_no_commit_answer_longer_than_its_group_allows() -> None:
+    # the answer used to be allowed MAX_GROUP_MEMBERS rows (half a megabyte), whatever the group
+    me = declaration(2)
+    group = _hostile_seal(me, direct=True)
+    limits = answer_limits(group)
+    longest_peer = replace(member(1), peer_id="1" * 128)
+    biggest_honest = _sealed((member(0), longest_peer, *(member(i) for i in range(3, 16))))
+    honest = {"group": biggest_honest.group_id, "members": [list(m.key) for m in biggest_honest.members]}
+    assert len(pack_header(honest, answer_limits(biggest_honest))) <= answer_limits(biggest_honest).max_header_bytes
+    assert answer_limits(biggest_honest).max_header_bytes < 4096  # 3.5 kB for 16 members, not 512 kB
+    refusal = {"error": "\u20ac" * 200}  # a refusal of 200 three-byte characters fits any group
+    pack_header(refusal, limits)
+
+    class HostileLeader:
+        """Answers every confirmation with the group, its two members, and a thousand rows of padding."""
+
+        async def call(self, peer_id, name, request, *, timeout, limits):
+            padding = [["1" * 128, "0" * 16]] * 1000
+            answer = {"group": group.group_id, "members": [list(m.key) for m in group.members], "pad": padding}
+            pack_header(answer, limits)  # what the caller's framing checks before it reads the header
+            return Message(answer)
+
+    confirmations = Confirmations(HostileLeader())
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        asyncio.run(confirmations.confirm(group, me.member.key, timeout=1.0))
+
+
 # ---------------------------------------------------------------- many peers over a simulated DHT
 
 
@@ -567,3 +688,24 @@ def test_a_simulated_round_lists_its_live_peers_in_no_group() -> None:
     assert result.ungrouped == () and len(result.groups) == 2
     alone = simulate_round(peers, cfg, swarm_size=None, seed=0, spread=0.0, until=3.0, dying=list(peers)[1:])
     assert alone.ungrouped == (simulated_peer_id(0),) and not alone.groups
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_honest_peers_group_around_a_leader_that_seals_them_all_with_a_far_commit_time(seed: int) -> None:
+    # A hostile peer (the lowest peer id) seals every honest peer's first attempt into a pair with itself,
+    # with a commit time far ahead, and never commits: each honest peer joined its seal and waited on it
+    # until its deadline (here: `until`), and no group formed at all.
+    cfg = config(min_matchmaking_time=1.0)
+    count, until = 8, 20.0
+    hostile = replace(member(0), peer_id=peer(0)[:-1])  # sorts before every honest peer
+    planted = []
+    for i in range(count):
+        members = (hostile, member(i))
+        group = SealedGroup(group_id_for(members), members, commit_by=1_000.0)
+        planted.append((board_key("run"), sealed_write(group, 10_000.0)))
+    result = simulate_round(
+        {peer(i): () for i in range(count)}, cfg, swarm_size=None, seed=seed, max_lag=0.05, until=until, planted=planted
+    )
+    check_agreement(result, cfg, count)
+    assert result.ungrouped == () and len(result.groups) == count
+    assert max(result.found_at.values()) < 3.0  # their scheduled time (1 s after they started), and a few polls

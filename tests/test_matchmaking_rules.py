@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,7 @@ from hivemind_ext.averaging.matchmaking.board import (
     sealed_write,
 )
 from hivemind_ext.averaging.matchmaking.group import (
+    MAX_BANDWIDTH,
     POLLS_BEFORE_DEADLINE,
     Board,
     Commit,
@@ -82,6 +84,10 @@ def peers(count: int, **kwargs) -> list[Declaration]:
         dict(client_mode=True, auxiliary=True),
         dict(bandwidth=-1.0),
         dict(bandwidth=math.inf),
+        dict(bandwidth=math.nan),
+        dict(bandwidth=1e308),  # finite, and it failed every member's opt.step with a bare ValueError
+        dict(bandwidth=MAX_BANDWIDTH * 1.01),
+        dict(bandwidth=True),
         dict(bandwidth="fast"),
     ],
 )
@@ -224,16 +230,21 @@ def test_looking_peers_skips_expired_other_prefix_and_near_deadline() -> None:
 
 
 def test_looking_peers_skips_attempts_claimed_by_open_groups_and_commits() -> None:
-    d = [declaration(i) for i in range(4)]
-    open_group = SealedGroup(group_id_for([d[0].member]), (d[0].member,), commit_by=60.0)
+    d = [declaration(i) for i in range(6)]
+    open_group = SealedGroup(group_id_for([d[0].member]), (d[0].member,), commit_by=51.0)
     closed_group = SealedGroup(group_id_for([d[1].member]), (d[1].member,), commit_by=40.0)  # past commit_by
     committed = Commit("ab" * 16, (d[2].member.key,))
+    # not plausible (see group.plausible): a hostile seal that would take d[4] and d[5] out of everyone's
+    # plans until its far commit time, or until their deadlines
+    far = SealedGroup(group_id_for([d[4].member]), (d[4].member,), commit_by=60.0)
+    late_start = SealedGroup(group_id_for([d[5].member]), (d[5].member,), commit_by=51.0, start_at=500.0)
     board = board_of(
         *d,
-        sealed={g.group_id: g for g in (open_group, closed_group)},
+        sealed={g.group_id: g for g in (open_group, closed_group, far, late_start)},
         commits={committed.group_id: committed},
     )
-    assert [x.member for x in looking_peers(50.0, board, config())] == [d[1].member, d[3].member]
+    expected = [d[1].member, d[3].member, d[4].member, d[5].member]
+    assert [x.member for x in looking_peers(50.0, board, config())] == expected
 
 
 def test_a_peer_with_two_live_attempts_counts_once_with_the_fresher_one() -> None:
@@ -356,6 +367,25 @@ def _sealed_value(*members_):
 def test_malformed_records_raise_protocol_error(subkey, value) -> None:
     with pytest.raises(ProtocolError):
         parse_record(subkey, value, 10.0)
+
+
+@pytest.mark.parametrize("bandwidth", [1e308, MAX_BANDWIDTH * 2, MAX_BANDWIDTH, 100.0, 0.0])
+def test_a_declared_bandwidth_is_capped_in_declarations_and_seals(bandwidth: float) -> None:
+    # 1e308 from one peer overflowed the part split and chunk size of every member of its group
+    expected = min(bandwidth, MAX_BANDWIDTH)
+    value = {**declaration_write(declaration(1)).value, "bandwidth": bandwidth}
+    assert parse_record("d/" + peer(1) + "/" + member(1).attempt, value, 10.0).member.bandwidth == expected
+    members = (member(1), replace(member(2), bandwidth=bandwidth))
+    sealed = parse_record("g/" + group_id_for(members), _sealed_value(*members), 10.0)
+    assert [m.bandwidth for m in sealed.members] == [1.0, expected]
+    assert sealed.group_id == group_id_for(members)  # the id does not depend on bandwidths
+
+
+@pytest.mark.parametrize("bandwidth", [math.inf, -math.inf, math.nan, -1.0, "fast", True, [1.0]])
+def test_a_non_finite_or_negative_declared_bandwidth_makes_the_record_malformed(bandwidth: object) -> None:
+    value = {**declaration_write(declaration(1)).value, "bandwidth": bandwidth}
+    with pytest.raises(ProtocolError, match="bandwidth"):
+        parse_record("d/" + peer(1) + "/" + member(1).attempt, value, 10.0)
 
 
 def test_sealed_members_must_be_ordered() -> None:

@@ -3,6 +3,7 @@ a model with every parameter frozen, and run ids that no peer could use as a nam
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import hivemind
@@ -11,9 +12,10 @@ import torch
 from swarm import new_peer
 
 from hivemind_ext import Optimizer
-from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.errors import ConfigurationError, DeadlineExceededError
 from hivemind_ext.optim.algorithms import AsyncModelAverage
 from hivemind_ext.optim.keys import MAX_RUN_ID_LENGTH
+from hivemind_ext.p2p import dht_calls
 from hivemind_ext.p2p.framing import MAX_NAMESPACE_LENGTH
 
 
@@ -75,3 +77,25 @@ def test_the_longest_run_id_fits_every_name_built_from_it(dht: hivemind.DHT, alg
     run_id = "r" * (MAX_RUN_ID_LENGTH - 1) + ("a" if algorithm is None else "b")
     opt = make(dht, torch.nn.Linear(4, 2), run_id=run_id, algorithm=algorithm)
     opt.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bandwidth", [1e308, float("inf"), float("nan"), -1.0, "fast"])
+def test_a_bad_bandwidth_is_refused_at_construction(dht: hivemind.DHT, bandwidth: object) -> None:
+    """1e308 used to pass, and then failed the first ``opt.step`` of every member of the peer's group with
+    a bare ValueError (the chunk size overflowed); every such value is refused before anything runs."""
+    with pytest.raises(ConfigurationError, match="bandwidth must be None or a number in"):
+        make(dht, torch.nn.Linear(4, 2), averager_opts={"bandwidth": bandwidth})
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_dht_fails_the_constructor_at_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dht.client_mode`` and ``dht.peer_id`` are round trips to the DHT process without a deadline (the
+    constructor waited for ever on a hung one); asked with one, a process that never answers (here:
+    never started, so nobody reads its pipe) is a DeadlineExceededError."""
+    monkeypatch.setattr(dht_calls, "DEFAULT_DHT_TIMEOUT", 0.3)
+    hung = hivemind.DHT(start=False)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match=r"no answer within 0\.3 s"):
+        make(hung, torch.nn.Linear(4, 2))
+    assert time.monotonic() - started < 5.0

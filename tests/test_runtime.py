@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import hivemind
 import pytest
@@ -32,7 +33,14 @@ from hivemind_ext.errors import (
 )
 from hivemind_ext.optim.progress import ProgressTracker
 from hivemind_ext.p2p import DHTCalls, PeerRuntime
-from hivemind_ext.p2p.dht_calls import add_validators
+from hivemind_ext.p2p.dht_calls import (
+    DEFAULT_DHT_TIMEOUT,
+    add_validators,
+    dht_client_mode,
+    dht_peer_id,
+    start_dht,
+    visible_maddrs,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 _names = itertools.count()
@@ -272,6 +280,104 @@ class RefusesEverything(RecordValidatorBase):
 
     def strip_value(self, record: DHTRecord) -> bytes:
         return record.value
+
+
+class AnsweringDHT:
+    """A DHT-like object whose process answers ``run_coroutine`` at once, or never (``hang``), or
+    with an error (``fail``), or whose pipe is gone (``refuse``)."""
+
+    def __init__(self, *, hang: bool = False, fail: bool = False, refuse: bool = False) -> None:
+        self.hang, self.fail, self.refuse = hang, fail, refuse
+        self.node = SimpleNamespace(peer_id="the peer id", protocol=SimpleNamespace(client_mode=True))
+        self.node.get_visible_maddrs = self._maddrs
+        self.asked = 0
+
+    @staticmethod
+    async def _maddrs(latest: bool = False) -> list[str]:
+        return ["/ip4/10.0.0.1/tcp/1", f"latest={latest}"]
+
+    def run_coroutine(self, coro, return_future: bool = False):
+        assert return_future, "a blocking call without a deadline"
+        self.asked += 1
+        if self.refuse:
+            raise BrokenPipeError("the DHT process is gone")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.fail:
+            future.set_exception(KeyError("inside the DHT process"))
+        elif not self.hang:
+            future.set_result(asyncio.run(coro(self, self.node)))
+        return future
+
+
+@pytest.mark.timeout(30)
+def test_the_dht_s_own_questions_have_a_deadline_and_typed_errors() -> None:
+    """``dht.peer_id``, ``dht.client_mode`` (the first time) and ``dht.get_visible_maddrs()`` wait for ever on
+    a hung DHT process; ours give up after their timeout (30 s by default) with a typed error."""
+    assert dht_peer_id(AnsweringDHT()) == "the peer id"
+    assert dht_client_mode(AnsweringDHT()) is True
+    assert visible_maddrs(AnsweringDHT(), latest=True) == ["/ip4/10.0.0.1/tcp/1", "latest=True"]
+    for ask, what in ((dht_peer_id, "peer id"), (dht_client_mode, "client mode"), (visible_maddrs, "visible")):
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match=rf"DHT {what}.*no answer within 0\.2 s"):
+            ask(AnsweringDHT(hang=True), timeout=0.2)
+        assert time.monotonic() - started < 2.0
+        with pytest.raises(PeerUnreachableError, match=f"DHT {what}.* failed: KeyError"):
+            ask(AnsweringDHT(fail=True), timeout=5)
+        with pytest.raises(ClosedError, match="not running"):
+            ask(AnsweringDHT(refuse=True), timeout=5)
+        with pytest.raises(ConfigurationError, match="timeout"):
+            ask(AnsweringDHT(), timeout=float("inf"))
+    assert DEFAULT_DHT_TIMEOUT == 30.0  # what a call without a timeout waits
+    assert dht_client_mode(SimpleNamespace(client_mode=False)) is False  # a test double: read as it is
+
+
+@pytest.mark.timeout(30)
+def test_a_dht_that_never_answers_or_never_starts_gives_up_at_its_deadline() -> None:
+    """A real ``hivemind.DHT`` whose process never runs: nobody reads its pipe, as with a hung process."""
+    dht = hivemind.DHT(start=False)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match=r"DHT peer id: no answer within 0\.2 s"):
+        dht_peer_id(dht, timeout=0.2)
+    assert time.monotonic() - started < 2.0
+
+    class AnswersOnce(hivemind.DHT):  # a DHT process that answers the first question, then hangs
+        asked = 0
+
+        def run_coroutine(self, coro, return_future: bool = False):
+            AnswersOnce.asked += 1
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            if AnswersOnce.asked == 1:
+                node = SimpleNamespace(peer_id="known", protocol=SimpleNamespace(client_mode=False))
+                future.set_result(asyncio.run(coro(self, node)))
+            return future if return_future else future.result()
+
+    once = AnswersOnce(start=False)
+    assert dht_peer_id(once, timeout=0.2) == "known"
+    # kept where hivemind keeps it: its own property and later calls no longer ask the process
+    assert once.peer_id == "known" and dht_peer_id(once, timeout=0.2) == "known" and AnswersOnce.asked == 1
+
+    class NeverReady:  # a daemon or bootstrap that hangs: DHT(start=True) waited for ever
+        def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+            assert not await_ready
+
+        def wait_until_ready(self, timeout: float | None = None) -> None:
+            assert timeout is not None, "waited without a deadline"
+            time.sleep(timeout)
+            raise concurrent.futures.TimeoutError
+
+    with pytest.raises(DeadlineExceededError, match=r"the DHT did not start within 0\.2 s"):
+        start_dht(NeverReady(), timeout=0.2)
+
+
+@pytest.mark.timeout(120)
+def test_the_dht_s_own_questions_answer_as_hivemind_does() -> None:
+    fresh = new_peer()  # asked nothing yet: hivemind has not cached its answers
+    try:
+        assert dht_peer_id(fresh, timeout=10) == fresh.peer_id
+        assert dht_client_mode(fresh, timeout=10) == fresh.client_mode is False
+        assert visible_maddrs(fresh, timeout=10) == fresh.get_visible_maddrs()
+    finally:
+        fresh.shutdown()
 
 
 def test_adding_validators_has_a_deadline_and_works_on_a_live_dht(swarm) -> None:

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from hivemind_ext.averaging.allreduce.throughput import ThroughputEstimator, receive_rate
+from hivemind_ext.averaging.matchmaking.group import MAX_BANDWIDTH, MatchmakingConfig
 from hivemind_ext.errors import ConfigurationError
 
 MB = 1_000_000
@@ -40,3 +41,10 @@ def test_the_estimate_is_a_moving_average_in_mbit_per_s() -> None:
     for smoothing in (0, 1.5, math.nan, "x"):
         with pytest.raises(ConfigurationError):
             ThroughputEstimator(smoothing=smoothing)
+
+
+def test_a_measured_rate_is_declared_no_higher_than_the_largest_bandwidth() -> None:
+    # the estimate is declared as this peer's bandwidth, which MatchmakingConfig refuses above MAX_BANDWIDTH
+    estimator = ThroughputEstimator()
+    assert estimator.update(1e300) == MAX_BANDWIDTH
+    assert MatchmakingConfig(prefix="run", bandwidth=estimator.mbit_per_s).bandwidth == MAX_BANDWIDTH

@@ -144,7 +144,9 @@ class DecentralizedAverager:
       default): the throughput this peer measured in its recent rounds (:attr:`throughput`), or,
       before its first round large enough to measure, the group's mean. A group where every peer
       passes it may use any common unit, as in hivemind. Bandwidths within a factor 2 of the
-      group's median count as equal (measurements are that noisy), see ``allreduce/partition.py``
+      group's median count as equal (measurements are that noisy), see ``allreduce/partition.py``.
+      At most ``MAX_BANDWIDTH`` (1e9; a larger, non-finite or negative value is a ConfigurationError
+      here; a larger one declared by another peer counts as 1e9)
     :param auxiliary: help reduce without contributing tensors
     :param allow_state_sharing: serve state to newcomers (default: unless client mode or auxiliary)
     :param client_mode: accept no incoming connections (default: the DHT's mode)

@@ -19,6 +19,7 @@ LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 OPTIMIZERS = ("hivemind_ext", "hivemind")
 PROGRESS_PERIOD = 0.5  # seconds between a peer's progress reports
 ALONE_TIMEOUT = 60.0  # seconds a joining peer trains without seeing another peer of its run before it gives up
+DHT_START_TIMEOUT = 60.0  # seconds for the DHT to start (its daemon, then the bootstrap through the initial peers)
 
 
 class PeerStartError(RuntimeError):
@@ -140,16 +141,23 @@ def start_dht(config: PeerConfig, initial_peers: Sequence[str]) -> Any:
     peer answers) is a :class:`PeerStartError` that says which addresses were used."""
     import hivemind
 
+    from hivemind_ext.p2p import dht_calls
+
     options: dict[str, Any] = {"announce_maddrs": list(config.announce_maddrs)} if config.announce_maddrs else {}
+    dht = None
     try:
-        return hivemind.DHT(
+        dht = hivemind.DHT(
             initial_peers=list(initial_peers),
             host_maddrs=list(config.host_maddrs),
             client_mode=config.client_mode,
-            start=True,
+            start=False,
             **options,
         )
+        dht_calls.start_dht(dht, timeout=DHT_START_TIMEOUT)  # DHT(start=True) waited for ever on a hung bootstrap
+        return dht
     except Exception as e:
+        if dht is not None:
+            dht.shutdown()
         where = f"listening on {' '.join(config.host_maddrs)}"
         if initial_peers:
             where += f", joining {' '.join(initial_peers)}"
@@ -176,6 +184,8 @@ def train_peer(
     import torch
     import torch.nn.functional as F
 
+    from hivemind_ext.p2p import dht_calls
+
     torch.set_num_threads(1)
     for name in ("hivemind", "hivemind_ext"):
         logging.getLogger(name).setLevel(config.log_level.upper())
@@ -186,7 +196,7 @@ def train_peer(
     dht = opt = None
     try:
         dht = start_dht(config, initial_peers)
-        report("dht_ready", {"maddrs": [str(addr) for addr in dht.get_visible_maddrs()]})
+        report("dht_ready", {"maddrs": [str(addr) for addr in dht_calls.visible_maddrs(dht)]})
         low, high = config.batch_size
         opt = optimizer_class(config.optimizer)(
             dht=dht,

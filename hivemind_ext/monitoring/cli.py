@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 EXIT_OK, EXIT_ERROR = 0, 1
+DHT_START_TIMEOUT = 60.0  # seconds for the DHT to start (its daemon, then the bootstrap)
 
 
 def _positive_float(text: str) -> float:
@@ -76,13 +77,15 @@ def _serve(args: argparse.Namespace) -> int:
     from hivemind_ext.monitoring.poller import MetricsPoller, install_validators
     from hivemind_ext.monitoring.server import MonitorServer
     from hivemind_ext.monitoring.swarm_state import SwarmState
+    from hivemind_ext.p2p.dht_calls import start_dht
 
     stop = threading.Event()
     previous = _stop_on_signals(stop) if threading.current_thread() is threading.main_thread() else {}
     give_up = time.monotonic() + args.duration if args.duration is not None else None
     dht = poller = server = None
     try:
-        dht = hivemind.DHT(initial_peers=args.initial_peers, client_mode=True, start=True)
+        dht = hivemind.DHT(initial_peers=args.initial_peers, client_mode=True, start=False)
+        start_dht(dht, timeout=DHT_START_TIMEOUT)  # DHT(start=True) waited for ever on a bootstrap that hangs
         install_validators(dht)
         state = SwarmState(args.run_id, history=max(1, args.history))
         server = MonitorServer(state, host=args.host, port=args.port)

@@ -58,6 +58,7 @@ from hivemind_ext.optim.state_checks import StateBounds
 from hivemind_ext.optim.state_digests import DigestBoard
 from hivemind_ext.optim.state_trust import in_groups, make_digest_board, state_trust_options
 from hivemind_ext.optim.training_state import TrainingState
+from hivemind_ext.p2p.dht_calls import dht_client_mode, dht_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +133,11 @@ class Optimizer(torch.optim.Optimizer):
         params = list(params) if params is not None else None
         if offload_optimizer is None and algorithm is not None and not isinstance(algorithm, GradientAllReduce):
             offload_optimizer = False  # algorithms step the model's own parameters
+        # asked with a deadline (hivemind's properties wait for ever on a hung DHT process), and then kept
+        # by the DHT for every component that reads them
+        dht_peer_id(dht)
         self.config = config = OptimizerConfig.resolve(
-            dht_client_mode=bool(dht.client_mode),
+            dht_client_mode=dht_client_mode(dht),
             optimizer_from_factory=params is not None,
             custom_grad_averager=grad_averager_factory is not None,
             client_mode=client_mode,

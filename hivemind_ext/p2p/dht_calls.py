@@ -10,6 +10,12 @@ errors, so that each caller decides, in one ``except``, what a failed call means
 - :class:`~hivemind_ext.errors.PeerUnreachableError`: the DHT took the request and failed it;
 - :class:`~hivemind_ext.errors.ClosedError`: the DHT refused the request (its process is gone).
 
+hivemind's blocking calls that a constructor or a command makes from its own thread (``dht.peer_id``
+and ``dht.client_mode`` the first time, ``get_visible_maddrs``, ``add_validators``, and
+``DHT(start=True)``, which waits until the DHT is ready) have no deadline either; :func:`dht_peer_id`,
+:func:`dht_client_mode`, :func:`visible_maddrs`, :func:`add_validators` and :func:`start_dht` make
+the same calls with one (:data:`DEFAULT_DHT_TIMEOUT`, 30 s; 60 s to start) and the same errors.
+
 Test seam: ``DHTCalls`` (and :class:`~hivemind_ext.p2p.runtime.PeerRuntime`, which holds one)
 talks to any object with the methods of :class:`DHTLike`, not only a ``hivemind.DHT``. A test
 injects faults by wrapping a real DHT (delegating what it does not break) and passing the wrapper
@@ -21,18 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+import hivemind
 from hivemind.utils.mpfuture import MPFuture
 
-from hivemind_ext.errors import ClosedError, DeadlineExceededError, PeerUnreachableError
+from hivemind_ext.errors import ClosedError, ConfigurationError, DeadlineExceededError, PeerUnreachableError
 from hivemind_ext.p2p.deadlines import remaining, resolve_deadline, wait_until
 
 T = TypeVar("T")
 
 DEFAULT_DHT_TIMEOUT = 30.0  # applies to a call that passes neither timeout nor deadline
+DEFAULT_DHT_START_TIMEOUT = 60.0  # starting a DHT: its daemon, then a bootstrap through the initial peers
 # What handing a request to a DHT whose process is gone raises (a broken or closed pipe).
 _REFUSED = (OSError, EOFError, ValueError, RuntimeError)
 
@@ -141,15 +150,80 @@ def add_validators(dht: DHTLike | Any, validators: Iterable[Any], *, timeout: fl
     ever on a DHT process that died or hangs (an Optimizer's constructor then never returned).
     Raises :class:`DeadlineExceededError` after ``timeout`` seconds without an answer,
     :class:`ClosedError` if the DHT refused the request, :class:`PeerUnreachableError` if it failed it."""
-    what = "add validators"
-    request = partial(_extend_validators, validators=list(validators))
-    future = DHTCalls._send(lambda: dht.run_coroutine(request, return_future=True), what)
+    _blocking(dht, partial(_extend_validators, validators=list(validators)), "add validators", timeout)
+
+
+def dht_peer_id(dht: DHTLike | Any, *, timeout: float | None = None) -> Any:
+    """``dht.peer_id``, from any thread, with a deadline. hivemind's property asks the DHT process the
+    first time (a round trip without a timeout: it waits for ever on a hung process) and keeps the
+    answer; this asks the same question with a deadline and leaves the answer where the property
+    finds it, so that later reads of ``dht.peer_id`` return at once. ``timeout``: seconds (None:
+    :data:`DEFAULT_DHT_TIMEOUT`). Errors as :func:`add_validators`; a DHT-like object without
+    ``run_coroutine`` (a test double) is read as it is."""
+    return _cached(dht, "_peer_id", "peer_id", _get_peer_id, "peer id", timeout)
+
+
+def dht_client_mode(dht: DHTLike | Any, *, timeout: float | None = None) -> bool:
+    """``dht.client_mode``, from any thread, with a deadline (see :func:`dht_peer_id`)."""
+    return bool(_cached(dht, "_client_mode", "client_mode", _get_client_mode, "client mode", timeout))
+
+
+def visible_maddrs(dht: DHTLike | Any, *, latest: bool = False, timeout: float | None = None) -> list[Any]:
+    """``dht.get_visible_maddrs(latest)``, from any thread, with a deadline (hivemind's call has none;
+    ``latest`` asks the daemon to refresh them; ``timeout`` as :func:`dht_peer_id`). Errors as
+    :func:`add_validators`."""
+    return list(_blocking(dht, partial(_get_visible_maddrs, latest=latest), "visible multiaddrs", timeout))
+
+
+def start_dht(dht: Any, *, timeout: float = DEFAULT_DHT_START_TIMEOUT) -> None:
+    """Starts a ``hivemind.DHT`` built with ``start=False`` and waits until it is ready, for at most
+    ``timeout`` seconds: ``hivemind.DHT(start=True)`` waits for ever on a daemon or bootstrap that
+    hangs. :class:`DeadlineExceededError` if it is not ready in time (the process keeps running: the
+    caller shuts the DHT down); a failure to start is raised as hivemind raises it."""
+    check_timeout(timeout)
+    dht.run_in_background(await_ready=False)
     try:
-        future.result(timeout)
+        dht.wait_until_ready(timeout)
+    except concurrent.futures.TimeoutError:
+        raise DeadlineExceededError(
+            f"the DHT did not start within {timeout:g} s (are the initial peers reachable? see its log)"
+        ) from None
+
+
+def check_timeout(timeout: Any) -> float:
+    """``timeout`` if it is a positive finite number of seconds; :class:`ConfigurationError` otherwise."""
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise ConfigurationError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _cached(
+    dht: Any, attribute: str, public: str, coro: Callable[..., Awaitable[T]], what: str, timeout: float | None
+) -> T:
+    """hivemind's cached answer in ``dht.<attribute>`` if it has one, else the DHT process's answer
+    (then cached there too, where the DHT keeps it: a ``hivemind.DHT``, not a DHT-like wrapper)."""
+    cached = getattr(dht, attribute, None)
+    if cached is not None:
+        return cached
+    if not hasattr(dht, "run_coroutine"):
+        return getattr(dht, public)
+    answer = _blocking(dht, coro, what, timeout)
+    if isinstance(dht, hivemind.DHT):
+        setattr(dht, attribute, answer)
+    return answer
+
+
+def _blocking(dht: Any, coro: Callable[..., Awaitable[T]], what: str, timeout: float | None) -> T:
+    """Runs ``coro(dht, node)`` in the DHT process and waits for its answer for at most ``timeout``
+    seconds (None: :data:`DEFAULT_DHT_TIMEOUT`), from any thread (not from the DHT process itself)."""
+    timeout = check_timeout(DEFAULT_DHT_TIMEOUT if timeout is None else timeout)
+    future = DHTCalls._send(lambda: dht.run_coroutine(coro, return_future=True), what)
+    try:
+        return future.result(timeout)
     except concurrent.futures.TimeoutError:
         _cancel(future)
         raise DeadlineExceededError(
-            f"DHT {what}: no answer within {timeout} s (is the DHT's process alive? see its log)"
+            f"DHT {what}: no answer within {timeout:g} s (is the DHT's process alive? see its log)"
         ) from None
     except Exception as e:  # the DHT process reports its failures as exceptions of any type
         raise PeerUnreachableError(f"DHT {what} failed: {type(e).__name__}: {e}") from e
@@ -158,6 +232,21 @@ def add_validators(dht: DHTLike | Any, validators: Iterable[Any], *, timeout: fl
 async def _extend_validators(_dht: Any, node: Any, validators: list[Any]) -> None:
     """Runs inside the DHT process (what ``hivemind.DHT.add_validators`` runs there)."""
     node.protocol.record_validator.extend(validators)
+
+
+async def _get_peer_id(_dht: Any, node: Any) -> Any:
+    """Runs inside the DHT process (what ``hivemind.DHT.peer_id`` runs there)."""
+    return node.peer_id
+
+
+async def _get_client_mode(_dht: Any, node: Any) -> bool:
+    """Runs inside the DHT process (what ``hivemind.DHT.client_mode`` runs there)."""
+    return node.protocol.client_mode
+
+
+async def _get_visible_maddrs(_dht: Any, node: Any, latest: bool = False) -> list[Any]:
+    """Runs inside the DHT process (what ``hivemind.DHT.get_visible_maddrs`` runs there)."""
+    return await node.get_visible_maddrs(latest=latest)
 
 
 def _awaitable(future: Any) -> Awaitable[Any]:
@@ -180,4 +269,14 @@ def _cancel(future: Any) -> None:
         cancel()
 
 
-__all__ = ["DEFAULT_DHT_TIMEOUT", "DHTCalls", "DHTLike", "add_validators"]
+__all__ = [
+    "DEFAULT_DHT_START_TIMEOUT",
+    "DEFAULT_DHT_TIMEOUT",
+    "DHTCalls",
+    "DHTLike",
+    "add_validators",
+    "dht_client_mode",
+    "dht_peer_id",
+    "start_dht",
+    "visible_maddrs",
+]

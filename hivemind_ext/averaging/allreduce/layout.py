@@ -52,7 +52,7 @@ import torch
 
 from hivemind_ext.averaging.allreduce.partition import MemberRole, part_bounds, part_sizes
 from hivemind_ext.averaging.allreduce.throughput import BITS_PER_MEGABIT
-from hivemind_ext.averaging.matchmaking.group import Member
+from hivemind_ext.averaging.matchmaking.group import Member, capped_bandwidth
 from hivemind_ext.averaging.tensor_layout import (
     ChunkSpec,
     TensorSpec,
@@ -100,12 +100,14 @@ class RoundLayout:
 
 
 def member_roles(members: Sequence[Member]) -> list[MemberRole]:
-    """Roles for part_sizes; a member that declared no bandwidth gets the mean of the declared ones."""
-    declared = [m.bandwidth for m in members if m.bandwidth is not None and not m.client_mode]
+    """Roles for part_sizes; a member that declared no bandwidth gets the mean of the declared ones.
+    Declared bandwidths count as at most :data:`.group.MAX_BANDWIDTH` (the board caps them as it
+    parses them; a member list built elsewhere is capped here), so no sum below overflows."""
+    declared = [capped_bandwidth(m.bandwidth) for m in members if m.bandwidth is not None and not m.client_mode]
     default = sum(declared) / len(declared) if declared else 1.0
     return [
         MemberRole(
-            bandwidth=float(m.bandwidth) if m.bandwidth is not None else default,
+            bandwidth=capped_bandwidth(m.bandwidth) if m.bandwidth is not None else default,
             client_mode=m.client_mode,
             auxiliary=m.auxiliary,
         )
@@ -119,10 +121,11 @@ def round_chunk_bytes(members: Sequence[Member], limit: int) -> int:
     declared = [m.bandwidth for m in members if m.bandwidth is not None]  # the others: a typical link
     if len(members) < 2 or not declared:
         return limit
-    slowest = min(declared)
+    slowest = capped_bandwidth(min(declared))
     fitting = DRAIN_SECONDS * slowest * BITS_PER_MEGABIT / 8 / (len(members) - 1)
-    quantized = max(CHUNK_QUANTUM_BYTES, int(fitting // CHUNK_QUANTUM_BYTES) * CHUNK_QUANTUM_BYTES)
-    return min(limit, quantized)
+    if fitting >= limit:  # (and before int(): 1e308 Mbit/s made it inf, and int(nan) a bare ValueError)
+        return limit
+    return min(limit, max(CHUNK_QUANTUM_BYTES, int(fitting // CHUNK_QUANTUM_BYTES) * CHUNK_QUANTUM_BYTES))
 
 
 def plan_round_layout(tensors: Sequence[TensorSpec], members: Sequence[Member], limit: int) -> RoundLayout:

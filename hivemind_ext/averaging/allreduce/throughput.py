@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from hivemind_ext.averaging.matchmaking.group import MAX_BANDWIDTH
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.p2p import now
 
@@ -101,7 +102,8 @@ class ThroughputEstimator:
         """Folds one round's rate (None: the round could not tell) into the estimate; returns it."""
         if bytes_per_s is None or not math.isfinite(bytes_per_s) or bytes_per_s <= 0:
             return self.mbit_per_s
-        sample = bytes_per_s * 8 / BITS_PER_MEGABIT
+        # capped: it is declared as this peer's bandwidth, which may not exceed MAX_BANDWIDTH
+        sample = min(bytes_per_s * 8 / BITS_PER_MEGABIT, MAX_BANDWIDTH)
         if self.mbit_per_s is None:
             self.mbit_per_s = sample
         else:

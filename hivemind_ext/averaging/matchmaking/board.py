@@ -35,6 +35,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     Member,
     PeerKey,
     SealedGroup,
+    capped_bandwidth,
     group_id_for,
 )
 from hivemind_ext.averaging.matchmaking.rotation import check_digits
@@ -216,13 +217,13 @@ def group_id_of(text: Any) -> str:
 
 def _member(peer_id: Any, attempt: Any, bandwidth: Any, client_mode: Any, auxiliary: Any) -> Member:
     if bandwidth is not None and not (_is_finite(bandwidth) and bandwidth >= 0):
-        raise ProtocolError(f"bandwidth must be None or finite and non-negative, got {bandwidth!r}")
+        raise ProtocolError(f"bandwidth must be None or finite and non-negative, got {bandwidth!r:.80}")
     if not isinstance(client_mode, bool) or not isinstance(auxiliary, bool):
         raise ProtocolError("client_mode and auxiliary must be booleans")
     return Member(
         _matching(_PEER_ID, peer_id, "peer id"),
         _matching(_ATTEMPT, attempt, "attempt"),
-        None if bandwidth is None else float(bandwidth),
+        None if bandwidth is None else capped_bandwidth(bandwidth),  # every member parses the seal alike
         client_mode,
         auxiliary,
     )

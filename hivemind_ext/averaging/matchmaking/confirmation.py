@@ -22,7 +22,9 @@ and the member leaves that leader as it leaves a dead one (:func:`.protocol.lead
 wait is bounded: the leader answers at its commit time at the latest, and the member gives up one
 ``request_timeout`` after it (a leader that never answers), then falls back to reading the board.
 Requests are small (:data:`HANDLER_CONFIG`; the answer may list up to ``MAX_GROUP_MEMBERS``), few
-per peer at a time, and a refusal is an answer, not a handler failure, so a hostile caller cannot
+per peer at a time, and a member accepts back no more than a commit of its own group can take
+(:func:`answer_limits`: 3.5 kB for a group of 16, where a hostile leader could otherwise make it
+read and parse half a megabyte), and a refusal is an answer, not a handler failure, so a hostile caller cannot
 flood the leader's logs.
 """
 
@@ -59,6 +61,12 @@ HANDLER_CONFIG = HandlerConfig(
     max_concurrent_calls=256,
     max_calls_per_peer=4,
 )
+ANSWER_ROW_BYTES = 160
+"""At most what one ``[peer id, attempt]`` row of a commit answer takes (msgpack: a peer id of up to
+128 characters, a 16-character attempt, their framing)."""
+ANSWER_BASE_BYTES = 1024
+"""The rest of an answer: the group id and the map's framing, or a refusal (200 characters, which
+may be multi-byte)."""
 RECENT_COMMITS = 64  # settled groups whose commit a late caller still gets (it then looks again)
 REFUSAL = "error"
 
@@ -119,6 +127,14 @@ def with_confirmations(board: Board, group: SealedGroup, confirmed: frozenset[Pe
 def with_commit(board: Board, commit: Commit) -> Board:
     """The board with a commit its leader answered directly, as if it had been read there."""
     return dataclasses.replace(board, commits={**board.commits, commit.group_id: commit})
+
+
+def answer_limits(group: SealedGroup) -> Limits:
+    """What a member of ``group`` accepts back from its leader: a commit can list only the seal's
+    members, so anything longer than a commit of all of them is refused (:class:`MessageTooLargeError`,
+    a :class:`ProtocolError`) before it is read, let alone parsed."""
+    header = ANSWER_BASE_BYTES + ANSWER_ROW_BYTES * len(group.members)
+    return dataclasses.replace(ANSWER_LIMITS, max_header_bytes=min(header, ANSWER_LIMITS.max_header_bytes))
 
 
 class Confirmations:
@@ -196,17 +212,19 @@ class Confirmations:
         """Confirms ``me`` in ``group`` with its leader and returns the leader's commit.
 
         :raises RemoteError: the leader refused; :raises ProtocolError: its answer is not a valid
-            commit of this group; :raises DeadlineExceededError, PeerUnreachableError: no answer.
+            commit of this group, or is longer than one (:func:`answer_limits`);
+        :raises DeadlineExceededError, PeerUnreachableError: no answer.
         """
         request = Message(confirmation_request(group.group_id, me))
         leader = PeerID.from_base58(group.leader.peer_id)
-        response = await self.client.call(leader, HANDLER, request, timeout=timeout, limits=ANSWER_LIMITS)
+        response = await self.client.call(leader, HANDLER, request, timeout=timeout, limits=answer_limits(group))
         return parse_commit_answer(response.header, group)
 
 
 __all__ = [
     "HANDLER",
     "Confirmations",
+    "answer_limits",
     "commit_answer",
     "confirmation_request",
     "parse_commit_answer",

@@ -58,6 +58,18 @@ from hivemind_ext.errors import ConfigurationError
 PeerKey = tuple[str, str]
 """(peer id in base58, attempt token): one peer's one try at finding a group in one round."""
 
+MAX_BANDWIDTH = 1e9
+"""The largest bandwidth a peer may declare, in the unit peers declare it in (Mbit/s by default: a
+petabit per second, far above any link, and far below where the group's sums overflow). A user's
+larger ``bandwidth`` is a :class:`ConfigurationError`; a larger one declared by another peer counts
+as this much (:func:`capped_bandwidth`): 1e308 from one peer overflowed the part-split and chunk-size
+arithmetic and failed every member's ``opt.step`` with a bare ValueError."""
+
+SEAL_HORIZON = 3
+"""A seal whose commit time lies more than this many ``request_timeout`` ahead is not joined (see
+:func:`plausible`): an honest leader commits one ``request_timeout`` after sealing, and the rest
+covers clock skew between peers (hivemind allows a few seconds)."""
+
 POLLS_BEFORE_DEADLINE = 5
 MAX_FINGERPRINT_CHARS = 128  # a digest; bounds what a declaration may carry
 """A peer is not put into a new group when its deadline is fewer than this many polls away: the
@@ -127,8 +139,10 @@ class MatchmakingConfig:
         self._check_times()
         if self.client_mode and self.auxiliary:
             raise ConfigurationError("an auxiliary peer must accept connections: it cannot be in client mode")
-        if self.bandwidth is not None and not (_is_number(self.bandwidth) and 0 <= self.bandwidth < math.inf):
-            raise ConfigurationError(f"bandwidth must be None or a finite non-negative number, got {self.bandwidth!r}")
+        if self.bandwidth is not None and not (_is_number(self.bandwidth) and 0 <= self.bandwidth <= MAX_BANDWIDTH):
+            raise ConfigurationError(
+                f"bandwidth must be None or a number in [0, {MAX_BANDWIDTH:g}] (Mbit/s), got {self.bandwidth!r}"
+            )
 
     @property
     def group_key(self) -> str:
@@ -279,6 +293,11 @@ class GroupInfo:
         raise ValueError(f"{wanted} is not a member of group {self.group_id.hex()}")
 
 
+def capped_bandwidth(bandwidth: float) -> float:
+    """A finite, non-negative bandwidth declared by a peer, capped at :data:`MAX_BANDWIDTH`."""
+    return min(float(bandwidth), MAX_BANDWIDTH)
+
+
 def group_id_for(members: Iterable[Member]) -> str:
     """A group's id is derived from its members' attempt keys: two leaders can never seal different
     member lists under one id, and the same peers in a later round get a new id."""
@@ -291,15 +310,35 @@ def is_open(group: SealedGroup, now: float, board: Board) -> bool:
     return group.group_id not in board.commits and now <= group.commit_by
 
 
+def plausible(group: SealedGroup, member: Declaration, now: float, config: MatchmakingConfig) -> bool:
+    """Whether ``group``, which lists ``member``, could have been sealed by an honest leader, as far as
+    the waits it imposes on that member go: its commit time within :data:`SEAL_HORIZON` request
+    timeouts and before the member's deadline (an honest leader commits one poll before the nearest
+    deadline), and its start time (a group sealed ahead, see :mod:`.timing`) no later than the member's
+    scheduled time (an honest leader starts the group when its first member is due). A member does not
+    join any other seal, and planners do not count it as claiming the member (:func:`looking_peers`):
+    a hostile seal with a commit or start time far ahead held every member it listed until its
+    deadline, and took it out of every honest peer's plans until then."""
+    return group.commit_by <= min(member.deadline, now + SEAL_HORIZON * config.request_timeout) and (
+        group.start_at <= member.ready_at
+    )
+
+
 def looking_peers(now: float, board: Board, config: MatchmakingConfig) -> list[Declaration]:
     """The declarations that may be put into a new group, most senior first.
 
     Skipped: other group keys (and declarations whose coordinates are not of this shard), expired
-    records, peers too close to their deadline, and attempts that an open sealed group or a commit
-    already claims. A peer seen with several live attempts (an old one it failed to withdraw) counts
-    once, with the attempt it refreshed last.
+    records, peers too close to their deadline, and attempts that an open sealed group (one that is
+    :func:`plausible` for that attempt) or a commit already claims. A peer seen with several live
+    attempts (an old one it failed to withdraw) counts once, with the attempt it refreshed last.
     """
-    claimed = {key for group in board.sealed.values() if is_open(group, now, board) for key in group.keys}
+    claimed = {
+        key
+        for group in board.sealed.values()
+        if is_open(group, now, board)
+        for key in group.keys
+        if key not in board.declarations or plausible(group, board.declarations[key], now, config)
+    }
     claimed.update(key for commit in board.commits.values() for key in commit.members)
     latest: dict[str, Declaration] = {}
     for declaration in board.declarations.values():

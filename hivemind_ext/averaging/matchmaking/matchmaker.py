@@ -127,7 +127,11 @@ Failure modes
   peer ids it makes up (a Sybil), which delays groups by up to ``request_timeout`` as a dead peer does.
   A peer that declares and never acts (never seals as a planned leader, never confirms) is left
   out of the plans of the peers it stalled for a few request timeouts (:class:`.protocol.Looking`),
-  so refreshing its declaration cannot hold a group back for ever.
+  so refreshing its declaration cannot hold a group back for ever. A peer does not join seals of a
+  leader that failed it after it joined (:attr:`.protocol.Looking.shunned`), nor seals whose commit or
+  start time no honest leader would choose (far ahead, after its own deadline or scheduled time:
+  :func:`.group.plausible`; nor do such seals take it out of other peers' plans), and accepts no
+  direct answer longer than a commit of its group (:func:`.confirmation.answer_limits`).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     is_open,
     is_viable,
     looking_peers,
+    plausible,
 )
 from hivemind_ext.averaging.matchmaking.lifetimes import commit_writes, marker_record, seal_record
 from hivemind_ext.averaging.matchmaking.rotation import coarser
@@ -91,6 +92,14 @@ class Looking:
     could hold a group back for ever (a Sybil that declares on every shard's board, for instance);
     with it, such a peer costs each group it is planned into one ``request_timeout`` at most once per
     ``IGNORE_TIMEOUTS``, and an honest peer that lagged is planned with again afterwards.
+
+    ``shunned``: (peer id, until when) of leaders that failed this peer after it joined their group
+    (no commit until one ``request_timeout`` past the commit time, or a direct answer that was a lie:
+    :func:`leader_failed`), whose seals it does not join for ``IGNORE_TIMEOUTS`` request timeouts
+    (it also leaves them out of its plans, as ``ignored``). Such a leader used to seal the peer's next
+    attempt at once and hold it again, attempt after attempt, until its deadline. Only these: a peer
+    that merely failed to seal in time, or to confirm, may be an honest one that lagged, and skipping
+    its seals too left honest peers ignoring each other under load.
     """
 
     declaration: Declaration
@@ -98,6 +107,7 @@ class Looking:
     ignored: Ignored = ()
     arrived: float | None = None  # when it came to this shard's board (None: when it declared)
     reads: int = 0  # boards read since then
+    shunned: Ignored = ()
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,7 @@ class Leading:
     ignored: Ignored = ()  # carried over from Looking: see there
     full_until: float = -math.inf
     gone: frozenset[PeerKey] = frozenset()  # members seen with a declaration that missed its refresh (STALE_LEFT)
+    shunned: Ignored = ()  # carried over from Looking: see there
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,7 @@ class Following:
     declaration: Declaration
     group: SealedGroup
     ignored: Ignored = ()
+    shunned: Ignored = ()  # carried over from Looking: see there
 
 
 State = Looking | Leading | Following
@@ -190,10 +202,11 @@ def next_attempt(attempt: str) -> str:
 
 def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingConfig, direct: bool) -> Step:
     me = state.declaration
+    ignored = {peer for peer, until in state.ignored if until > now}
     # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
-    offers = _offers(me, now, board)
+    offers = _offers(me, now, board, config, state.shunned)
     if offers:
-        return _join(me, min(offers, key=lambda g: g.group_id), now, config, state.ignored)  # any fixed tie-break
+        return _join(me, min(offers, key=lambda g: g.group_id), now, config, state)  # any fixed tie-break
     if me.expiration == -math.inf:
         # A new attempt only declares; it plans (and may seal) from its next step on. Sealing on its first
         # read, before anyone had seen it, took members out of groups planned without it (a lower leader's
@@ -203,7 +216,6 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         me, declare = _refresh(me, now, config)
         return Step(replace(state, declaration=me), declare, urgent=True)
     me, refresh = _refresh(me, now, config)
-    ignored = {peer for peer, until in state.ignored if until > now}
     overlay = {key: d for key, d in board.declarations.items() if d.member.peer_id not in ignored}
     overlay[me.member.key] = me  # my own declaration, even before the DHT shows it
     peers = looking_peers(now, replace(board, declarations=overlay), config)
@@ -240,7 +252,7 @@ def _lead(
     writes = (seal_record(sealed, config), confirm)
     due = min(d.ready_at for d in mine)
     full_until = due if due > now and start_at <= now else -math.inf  # a full group, not one sealed ahead
-    return Step(Leading(joined, sealed, state.ignored, full_until), writes, urgent=True)
+    return Step(Leading(joined, sealed, state.ignored, full_until, shunned=state.shunned), writes, urgent=True)
 
 
 def _deputy(
@@ -288,13 +300,14 @@ def _ignore(ignored: Ignored, peers: set[str], now: float, config: MatchmakingCo
 
 def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingConfig) -> Step:
     group, me = state.group, state.declaration.member
-    senior = [g for g in _offers(state.declaration, now, board, group.group_id) if g.leader.key < me.key]
+    offers = _offers(state.declaration, now, board, config, state.shunned, group.group_id)
+    senior = [g for g in offers if g.leader.key < me.key]
     if senior:
         # Two leaders with different views sealed groups that share members: the lowest leader keeps
         # its group and the others join it (a leader does not confirm other groups while it leads,
         # so both groups used to commit short, and the peers that neither took were left over).
         abandoned = commit_writes(group, (), now, config)
-        joined = _join(state.declaration, min(senior, key=lambda g: g.group_id), now, config, state.ignored)
+        joined = _join(state.declaration, min(senior, key=lambda g: g.group_id), now, config, state)
         return replace(joined, writes=(*abandoned, *joined.writes))
     others = [m for m in group.members if m != me]
     confirmed = {me.key} | {m.key for m in others if board.markers.get(m.key) == group.group_id}
@@ -325,7 +338,8 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         # would be ignored by this leader while it plans this leader (8 peers in pairs, DHT lag 0.4 s: two
         # honest peers ignored each other until the deadline)
         silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in state.gone}
-        return _retry(state.declaration, now, config, commits, _ignore(state.ignored, silent, now, config))
+        ignored = _ignore(state.ignored, silent, now, config)
+        return _retry(state.declaration, now, config, commits, ignored, state.shunned)
     return Step(state, commits, GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
 
 
@@ -337,10 +351,10 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
         if me.member.key in keys:
             members = tuple(m for m in group.members if m.key in keys)
             return Step(state, (), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
-        others = _offers(me, now, board, group.group_id)  # e.g. the group its leader gave way to
+        others = _offers(me, now, board, config, state.shunned, group.group_id)  # e.g. the group its leader gave way to
         if others:
-            return _join(me, min(others, key=lambda g: g.group_id), now, config, state.ignored)
-        return _retry(me, now, config, (), state.ignored)
+            return _join(me, min(others, key=lambda g: g.group_id), now, config, state)
+        return _retry(me, now, config, (), state.ignored, state.shunned)
     if now > group.commit_by + config.request_timeout:  # the leader is gone: leave, so a late commit skips me
         return leader_failed(state, now, config)
     return Step(state, urgent=True)
@@ -351,21 +365,28 @@ def leader_failed(state: Following, now: float, config: MatchmakingConfig) -> St
     with something that is not a commit of the sealed group (see :mod:`.confirmation`). The member
     marks its attempt as left (so a late commit skips it), looks again under a new attempt, and
     leaves the leader out of its plans for a while, as it does a dead one."""
-    me = state.declaration
+    me, leader = state.declaration, {state.group.leader.peer_id}
     _, left = _mark(me, None, now, config)
-    return _retry(me, now, config, (left,), _ignore(state.ignored, {state.group.leader.peer_id}, now, config))
+    ignored, shunned = _ignore(state.ignored, leader, now, config), _ignore(state.shunned, leader, now, config)
+    return _retry(me, now, config, (left,), ignored, shunned)
 
 
-def _offers(me: Declaration, now: float, board: Board, mine: str | None = None) -> list[SealedGroup]:
-    """The open sealed groups that list this attempt of mine (other than ``mine``)."""
-    sealed = (g for g in board.sealed.values() if g.group_id != mine)
-    return [g for g in sealed if me.member.key in g.keys and is_open(g, now, board)]
+def _offers(
+    me: Declaration, now: float, board: Board, config: MatchmakingConfig, shunned: Ignored, mine: str | None = None
+) -> list[SealedGroup]:
+    """The open sealed groups that list this attempt of mine (other than ``mine``), sealed by a leader
+    this peer does not shun (see :class:`Looking`: one that left this peer waiting, or whose direct
+    answer was a lie, would otherwise hold it again with every new seal), and :func:`.group.plausible`."""
+    left_out = {peer for peer, until in shunned if until > now}
+    sealed = (g for g in board.sealed.values() if g.group_id != mine and g.leader.peer_id not in left_out)
+    return [g for g in sealed if me.member.key in g.keys and is_open(g, now, board) and plausible(g, me, now, config)]
 
 
-def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingConfig, ignored: Ignored) -> Step:
-    """Confirm ``group``: mark this attempt as joined (the other leaders that listed it see it leave)."""
+def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingConfig, state: State) -> Step:
+    """Confirm ``group``: mark this attempt as joined (the other leaders that listed it see it leave);
+    whom ``state`` ignores and shuns is carried over."""
     joined, confirm = _mark(me, group, now, config)
-    return Step(Following(joined, group, ignored), (confirm,), urgent=True)
+    return Step(Following(joined, group, state.ignored, state.shunned), (confirm,), urgent=True)
 
 
 def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: Board) -> bool:
@@ -420,11 +441,19 @@ def _seal(
     return SealedGroup(group_id_for(members), members, commit_by, start_at if start_at > now else -math.inf, direct)
 
 
-def _retry(me: Declaration, now: float, config: MatchmakingConfig, writes: tuple[Write, ...], ignored: Ignored) -> Step:
-    """Look again under a new attempt, keeping seniority, times and whom to leave out of plans."""
+def _retry(
+    me: Declaration,
+    now: float,
+    config: MatchmakingConfig,
+    writes: tuple[Write, ...],
+    ignored: Ignored,
+    shunned: Ignored = (),
+) -> Step:
+    """Look again under a new attempt, keeping seniority, times, whom to leave out of plans and whose
+    seals not to join."""
     fresh = replace(me, member=replace(me.member, attempt=next_attempt(me.member.attempt)), expiration=-math.inf)
     fresh, declare = _refresh(fresh, now, config)
-    return Step(Looking(fresh, None, ignored), writes + declare)
+    return Step(Looking(fresh, None, ignored, shunned=shunned), writes + declare)
 
 
 def _refresh(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[Declaration, tuple[Write, ...]]:
