@@ -129,14 +129,21 @@ class _EpochEnd(SyncGradientsImpl):
         self.state_rounds = state_rounds
         self.scheduled_round = None
         self.blocked_seconds = 0.0
-        self.grad_averager = SimpleNamespace(last_round=None)
+        self.grad_averager = SimpleNamespace(last_round=None, local_samples_accumulated=32)
         self.background = SimpleNamespace(pending=False)
         config = SimpleNamespace(delay_grad_averaging=False, delay_optimizer_step=False, delay_state_averaging=True)
         self.context = SimpleNamespace(
             config=config,
             local_epoch=4,
+            tracker=SimpleNamespace(report_local_progress=lambda epoch, samples: None),
             advance_epoch=lambda before_announcing=None: events.append("epoch advanced"),
         )
+
+    def _accumulate(self, batch_size: int, grad_scaler) -> bool:
+        return True  # this batch completes the epoch's share
+
+    def _epoch_is_over(self) -> bool:
+        return True
 
     def _wait_background(self) -> None:
         pass
@@ -169,7 +176,7 @@ def test_the_epoch_end_asks_for_a_state_round_after_the_gradient_round() -> None
     rounds = _state_rounds(averager)
     rounds.begin = lambda epoch, after=None: events.append(f"state round {epoch} begun")
     impl = _EpochEnd(events, rounds)
-    impl._end_epoch(None)
+    impl.train_step(32, None)  # the batch that ends the epoch
     assert events == [
         "gradient round",
         "state round applied",
