@@ -377,6 +377,39 @@ def test_a_leader_that_abandons_does_not_ignore_a_member_it_saw_not_refreshing()
     assert isinstance(again.state, Leading) and member(1) in again.state.group.members  # planned again
 
 
+def test_a_leader_leaves_a_member_it_saw_dead_out_of_its_next_plans_until_it_refreshes() -> None:
+    # A member that died after declaring stays on the board until its declaration expires: the leader that
+    # abandoned its group (or lost it) planned with it again and waited on it once more (1,000 simulated
+    # peers, 2% dying, seed 15: 11.9 polls to group everyone, against a goal of 10).
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg, count=2, ready_at=NOW)
+    now = NOW + 0.05
+    stale = _stale_board(leading.group, 1, (), now, cfg)
+    abandoned = step(leading, now, stale, cfg)
+    assert abandoned.group is None and isinstance(abandoned.state, Looking)
+    retry = step(abandoned.state, now + 0.01, Board(), cfg).state  # its new attempt declares first
+    dead, live = stale.declarations[member(1).key], declaration(2, ready_at=NOW)
+    again = step(retry, now + 0.05, board_of(dead, live), cfg)
+    assert isinstance(again.state, Leading) and again.state.group.members == (retry.declaration.member, member(2))
+    refreshed = replace(dead, expiration=now + cfg.request_timeout)  # it only looked dead: planned with again
+    assert member(1) in step(retry, now + 0.05, board_of(refreshed, live), cfg).state.group.members
+
+
+def test_alone_on_the_prefix_board_a_peer_plans_with_the_peers_it_ignores() -> None:
+    # Two honest peers can end up ignoring each other (a leader that abandoned its group ignores the
+    # members that did not confirm, a member ignores a leader that did not seal in time) while the rest
+    # of the swarm has grouped: waiting alone they stayed ungrouped for IGNORE_TIMEOUTS (1,000 simulated
+    # peers, 2% dying, seed 9: 65.8 polls to group everyone). A shard's peer falls back instead.
+    cfg = config()
+    me = replace(declared(0, ready_at=NOW), ignored=((peer(1), NOW + 3.0),))
+    other = declaration(1, ready_at=NOW)
+    result = step(me, NOW, board_of(other), cfg)
+    assert isinstance(result.state, Leading) and result.state.group.members == (member(0), member(1))
+    # not alone: the ignored peer stays out of its plans
+    with_another = step(me, NOW, board_of(other, declaration(2, ready_at=NOW)), cfg)
+    assert with_another.state.group.members == (member(0), member(2))
+
+
 def test_a_full_group_that_lost_only_a_dead_member_commits_before_its_scheduled_time() -> None:
     cfg = config()
     leading, _ = _sealed_by_leader(cfg)  # a full group of 4, sealed long before its scheduled time

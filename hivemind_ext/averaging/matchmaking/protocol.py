@@ -77,6 +77,7 @@ intervals, and a peer that left before it could see its shard's peers would stal
 
 
 Ignored = tuple[tuple[str, float], ...]  # (peer id, DHT time until which it is left out of plans)
+Dead = tuple[tuple[PeerKey, float], ...]  # (attempt, the expiration its declaration had when seen dead)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class Looking:
     ignored: Ignored = ()
     arrived: float | None = None  # when it came to this shard's board (None: when it declared)
     reads: int = 0  # boards read since then
+    dead: Dead = ()  # members of a group this peer led that missed their refresh: see :func:`_forget_dead`
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class Leading:
     ignored: Ignored = ()  # carried over from Looking: see there
     full_until: float = -math.inf
     gone: frozenset[PeerKey] = frozenset()  # members seen with a declaration that missed its refresh (STALE_LEFT)
+    dead: Dead = ()  # carried over from Looking, plus the gone members' attempts (see :func:`_forget_dead`)
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class Following:
     declaration: Declaration
     group: SealedGroup
     ignored: Ignored = ()
+    dead: Dead = ()  # carried over from Looking: see there
 
 
 State = Looking | Leading | Following
@@ -193,7 +197,8 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
     offers = _offers(me, now, board)
     if offers:
-        return _join(me, min(offers, key=lambda g: g.group_id), now, config, state.ignored)  # any fixed tie-break
+        chosen = min(offers, key=lambda g: g.group_id)  # any fixed tie-break
+        return _join(me, chosen, now, config, state.ignored, state.dead)
     if me.expiration == -math.inf:
         # A new attempt only declares; it plans (and may seal) from its next step on. Sealing on its first
         # read, before anyone had seen it, took members out of groups planned without it (a lower leader's
@@ -204,11 +209,10 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         return Step(replace(state, declaration=me), declare, urgent=True)
     me, refresh = _refresh(me, now, config)
     ignored = {peer for peer, until in state.ignored if until > now}
-    overlay = {key: d for key, d in board.declarations.items() if d.member.peer_id not in ignored}
-    overlay[me.member.key] = me  # my own declaration, even before the DHT shows it
-    peers = looking_peers(now, replace(board, declarations=overlay), config)
-    planned = plan_ahead(now, peers, config)
-    mine, start_at = next(((group, start) for group, start in planned if me in group), (None, now))
+    mine, start_at = _my_plan(me, now, board, config, ignored, dict(state.dead))
+    if mine is None and ignored and config.shard_depth == 0:
+        # alone on the prefix's board, the last one (nowhere to fall back): better with the peers I ignore
+        mine, start_at = _my_plan(me, now, board, config, set(), dict(state.dead))
     arrived = me.declared_at if state.arrived is None else state.arrived
     waited = state.reads >= SHARD_WAIT_POLLS and now >= arrived + SHARD_WAIT_POLLS * config.poll_interval
     deputy = _deputy(state, me, mine, now, config)
@@ -223,6 +227,27 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
         return Step(_waiting(state, me, mine, now, config), refresh, urgent=mine is not None or eager)
     return _lead(state, me, mine, now, config, start_at, direct)
+
+
+def _my_plan(
+    me: Declaration,
+    now: float,
+    board: Board,
+    config: MatchmakingConfig,
+    ignored: set[str],
+    dead: dict[PeerKey, float],
+) -> tuple[tuple[Declaration, ...] | None, float]:
+    """The group planned with this peer (None: none) and when it starts, from the board's looking peers
+    less those ``ignored`` and the ``dead`` declarations that were not refreshed since (see :func:`_forget_dead`)."""
+    overlay = {
+        key: d
+        for key, d in board.declarations.items()
+        if d.member.peer_id not in ignored and d.expiration > dead.get(key, -math.inf)
+    }
+    overlay[me.member.key] = me  # my own declaration, even before the DHT shows it
+    peers = looking_peers(now, replace(board, declarations=overlay), config)
+    planned = plan_ahead(now, peers, config)
+    return next(((group, start) for group, start in planned if me in group), (None, now))
 
 
 def _lead(
@@ -240,7 +265,7 @@ def _lead(
     writes = (seal_record(sealed, config), confirm)
     due = min(d.ready_at for d in mine)
     full_until = due if due > now and start_at <= now else -math.inf  # a full group, not one sealed ahead
-    return Step(Leading(joined, sealed, state.ignored, full_until), writes, urgent=True)
+    return Step(Leading(joined, sealed, state.ignored, full_until, dead=state.dead), writes, urgent=True)
 
 
 def _deputy(
@@ -294,14 +319,15 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         # its group and the others join it (a leader does not confirm other groups while it leads,
         # so both groups used to commit short, and the peers that neither took were left over).
         abandoned = commit_writes(group, (), now, config)
-        joined = _join(state.declaration, min(senior, key=lambda g: g.group_id), now, config, state.ignored)
+        joined = _join(state.declaration, min(senior, key=lambda g: g.group_id), now, config, state.ignored, state.dead)
         return replace(joined, writes=(*abandoned, *joined.writes))
     others = [m for m in group.members if m != me]
     confirmed = {me.key} | {m.key for m in others if board.markers.get(m.key) == group.group_id}
     # once seen not refreshing, a member is not waited for again: its declaration then expires, and a
     # member without any record on the board is waited for (in a direct group it may be calling)
     stale = {m.key for m in others if m.key not in board.markers and _stale(board.declarations.get(m.key), now, config)}
-    state = replace(state, gone=state.gone | stale)
+    seen_dead = {key: board.declarations[key].expiration for key in stale}
+    state = replace(state, gone=state.gone | stale, dead=_forget_dead(state.dead, seen_dead, now))
     waiting = any(m.key not in state.gone and _coming(m, group, me, now, board) for m in others)
     if waiting and now < group.commit_by:
         return Step(state, urgent=True)
@@ -325,7 +351,8 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         # would be ignored by this leader while it plans this leader (8 peers in pairs, DHT lag 0.4 s: two
         # honest peers ignored each other until the deadline)
         silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in state.gone}
-        return _retry(state.declaration, now, config, commits, _ignore(state.ignored, silent, now, config))
+        ignored = _ignore(state.ignored, silent, now, config)
+        return _retry(state.declaration, now, config, commits, ignored, _forget_dead(state.dead, {}, now))
     return Step(state, commits, GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
 
 
@@ -339,8 +366,8 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
             return Step(state, (), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
         others = _offers(me, now, board, group.group_id)  # e.g. the group its leader gave way to
         if others:
-            return _join(me, min(others, key=lambda g: g.group_id), now, config, state.ignored)
-        return _retry(me, now, config, (), state.ignored)
+            return _join(me, min(others, key=lambda g: g.group_id), now, config, state.ignored, state.dead)
+        return _retry(me, now, config, (), state.ignored, state.dead)
     if now > group.commit_by + config.request_timeout:  # the leader is gone: leave, so a late commit skips me
         return leader_failed(state, now, config)
     return Step(state, urgent=True)
@@ -353,7 +380,8 @@ def leader_failed(state: Following, now: float, config: MatchmakingConfig) -> St
     leaves the leader out of its plans for a while, as it does a dead one."""
     me = state.declaration
     _, left = _mark(me, None, now, config)
-    return _retry(me, now, config, (left,), _ignore(state.ignored, {state.group.leader.peer_id}, now, config))
+    ignored = _ignore(state.ignored, {state.group.leader.peer_id}, now, config)
+    return _retry(me, now, config, (left,), ignored, state.dead)
 
 
 def _offers(me: Declaration, now: float, board: Board, mine: str | None = None) -> list[SealedGroup]:
@@ -362,10 +390,12 @@ def _offers(me: Declaration, now: float, board: Board, mine: str | None = None) 
     return [g for g in sealed if me.member.key in g.keys and is_open(g, now, board)]
 
 
-def _join(me: Declaration, group: SealedGroup, now: float, config: MatchmakingConfig, ignored: Ignored) -> Step:
+def _join(
+    me: Declaration, group: SealedGroup, now: float, config: MatchmakingConfig, ignored: Ignored, dead: Dead = ()
+) -> Step:
     """Confirm ``group``: mark this attempt as joined (the other leaders that listed it see it leave)."""
     joined, confirm = _mark(me, group, now, config)
-    return Step(Following(joined, group, ignored), (confirm,), urgent=True)
+    return Step(Following(joined, group, ignored, dead), (confirm,), urgent=True)
 
 
 def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: Board) -> bool:
@@ -420,11 +450,33 @@ def _seal(
     return SealedGroup(group_id_for(members), members, commit_by, start_at if start_at > now else -math.inf, direct)
 
 
-def _retry(me: Declaration, now: float, config: MatchmakingConfig, writes: tuple[Write, ...], ignored: Ignored) -> Step:
+def _retry(
+    me: Declaration,
+    now: float,
+    config: MatchmakingConfig,
+    writes: tuple[Write, ...],
+    ignored: Ignored,
+    dead: Dead = (),
+) -> Step:
     """Look again under a new attempt, keeping seniority, times and whom to leave out of plans."""
     fresh = replace(me, member=replace(me.member, attempt=next_attempt(me.member.attempt)), expiration=-math.inf)
     fresh, declare = _refresh(fresh, now, config)
-    return Step(Looking(fresh, None, ignored), writes + declare)
+    return Step(Looking(fresh, None, ignored, dead=dead), writes + declare)
+
+
+def _forget_dead(dead: Dead, seen: dict[PeerKey, float], now: float) -> Dead:
+    """``dead`` plus the attempts of ``seen`` (with the expiration their declarations had), less the
+    declarations that have expired since (nothing left to leave out).
+
+    A leader remembers the members it saw miss their refresh (:data:`STALE_LEFT`) and leaves those
+    declarations out of its later plans, as long as they are not refreshed: a member that died after
+    declaring stays on the board until its declaration expires, one ``request_timeout``, and a leader
+    that abandoned its group and planned with it again waited on it once more (a dead planned leader
+    holds its group until a deputy seals). A member that only looked dead (a lagging DHT showed its
+    declaration before its refresh) refreshes it, and is planned with again at once: unlike
+    ``ignored``, which leaves a peer out for ``IGNORE_TIMEOUTS`` whatever it writes."""
+    merged = {**dict(dead), **seen}
+    return tuple(sorted((key, expiration) for key, expiration in merged.items() if expiration > now))
 
 
 def _refresh(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[Declaration, tuple[Write, ...]]:
