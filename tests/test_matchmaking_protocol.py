@@ -410,6 +410,52 @@ def test_alone_on_the_prefix_board_a_peer_plans_with_the_peers_it_ignores() -> N
     assert with_another.state.group.members == (member(0), member(2))
 
 
+def test_a_leader_on_the_prefix_board_takes_in_a_peer_left_alone_there() -> None:
+    # Peers come to the prefix's board one by one as they fall back; a leader that sealed what it saw a
+    # moment before a late one came left that one alone, the last live peer in no group (1,000 simulated
+    # peers, 0% or 2% dying: 10 of 24 seeds each).
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg, count=2, ready_at=NOW)
+    group, now = leading.group, NOW + 0.05
+    late = declaration(2, ready_at=NOW)
+    board = board_of(late, markers={member(1).key: group.group_id}, sealed={group.group_id: group})
+    result = step(leading, now, board, cfg)
+    assert result.group is None and isinstance(result.state, Leading)
+    taken = result.state.group
+    assert taken.members == (member(0), member(1), member(2)) and taken.commit_by <= group.commit_by
+    assert [w.subkey for w in result.writes][:2] == [f"g/{taken.group_id}", f"c/{group.group_id}"]  # seal first
+    # its member reads the old group's commit without it, and joins the new seal (not another open one)
+    other = SealedGroup(group_id_for((member(1), member(16))), (member(1), member(16)), now + 1.0)
+    assert other.group_id < taken.group_id  # the lowest group id, the choice among other offers
+    after = board_after(*result.writes, board=replace(board, sealed={other.group_id: other}), now=now)
+    follower = step(Following(declaration(1), group), now + 0.01, after, cfg)
+    assert isinstance(follower.state, Following) and follower.state.group == taken
+    # once per stray, and only with room: a full group commits
+    again = step(result.state, now + 0.01, replace(board, sealed={taken.group_id: taken}), cfg)
+    assert not (isinstance(again.state, Leading) and again.state.group != taken)
+    assert step(leading, now, replace(board, declarations={}), cfg).group.size == 2  # nobody alone: commits
+    full, _ = _sealed_by_leader(cfg, count=4, ready_at=NOW)
+    confirmed = {member(i).key: full.group.group_id for i in (1, 2, 3)}
+    assert step(full, now, board_of(late, markers=confirmed, sealed={full.group.group_id: full.group}), cfg).group
+
+
+def test_a_peer_alone_on_the_prefix_board_seals_an_open_group_of_later_peers_with_itself() -> None:
+    cfg = config()
+    group = SealedGroup(group_id_for((member(1), member(2))), (member(1), member(2)), NOW + 1.0)
+    me = declared(0, ready_at=NOW)
+    result = step(me, NOW, board_of(sealed={group.group_id: group}), cfg)
+    assert isinstance(result.state, Leading)
+    assert result.state.group.members == (member(0), member(1), member(2))
+    # the group's leader gives way to the lower seal that lists it (as to any senior seal)
+    leading = Leading(declaration(1), group)
+    after = board_after(*result.writes, board=board_of(sealed={group.group_id: group}))
+    gave_way = step(leading, NOW + 0.01, after, cfg)
+    assert isinstance(gave_way.state, Following) and gave_way.state.group == result.state.group
+    # a peer above the group's leader does not: that leader takes it in
+    above = step(declared(3, ready_at=NOW), NOW, board_of(sealed={group.group_id: group}), cfg)
+    assert isinstance(above.state, Looking)
+
+
 def test_a_full_group_that_lost_only_a_dead_member_commits_before_its_scheduled_time() -> None:
     cfg = config()
     leading, _ = _sealed_by_leader(cfg)  # a full group of 4, sealed long before its scheduled time
@@ -443,6 +489,25 @@ def test_an_abandoning_leader_waits_for_a_member_that_another_group_dropped() ->
     assert isinstance(step(leading, group.commit_by + 0.01, board, cfg).state, Looking)  # never past commit_by
     kept = replace(board, commits={other: Commit(other, (member(1).key, member(7).key))})
     assert isinstance(step(leading, now, kept, cfg).state, Looking)  # in the other group: not coming
+
+
+def test_a_leader_that_could_commit_waits_for_a_member_that_another_group_dropped() -> None:
+    # It waited only where it would otherwise abandon: a group of 3 committed 2, and the member on its way
+    # back was left alone on the prefix's board, the last live peer in no group (0% dying, seed 1).
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg, count=3, ready_at=NOW)
+    group, now = leading.group, NOW + 0.05
+    other = group_id_for((member(1), member(7)))
+    board = Board(
+        markers={member(1).key: other, member(2).key: group.group_id},
+        sealed={group.group_id: group},
+        commits={other: Commit(other, (member(7).key,))},
+    )
+    result = step(leading, now, board, cfg)
+    assert result.group is None and result.state == leading and result.urgent
+    joined = replace(board, markers={member(i).key: group.group_id for i in (1, 2)})
+    assert step(result.state, now + 0.05, joined, cfg).group.size == 3
+    assert step(leading, group.commit_by + 0.01, board, cfg).group.size == 2  # never past commit_by
 
 
 def test_a_sealed_group_past_its_commit_time_is_not_joined() -> None:
