@@ -408,6 +408,11 @@ def test_alone_on_the_prefix_board_a_peer_plans_with_the_peers_it_ignores() -> N
     # not alone: the ignored peer stays out of its plans
     with_another = step(me, NOW, board_of(other, declaration(2, ready_at=NOW)), cfg)
     assert with_another.state.group.members == (member(0), member(2))
+    # nor where others wait with it for a full group before their scheduled time: a hostile leader it had
+    # left made the full group, and held three honest peers until their deadline (LyingDesk)
+    early = replace(declared(0), ignored=((peer(1), NOW + 3.0),))
+    waiting = step(early, NOW, board_of(*(declaration(i) for i in (1, 2, 3))), cfg)
+    assert isinstance(waiting.state, Looking)
 
 
 def test_a_leader_on_the_prefix_board_takes_in_a_peer_left_alone_there() -> None:

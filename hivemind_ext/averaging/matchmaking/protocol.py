@@ -212,10 +212,13 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         return Step(replace(state, declaration=me), declare, urgent=True)
     me, refresh = _refresh(me, now, config)
     ignored = {peer for peer, until in state.ignored if until > now}
-    mine, start_at = _my_plan(me, now, board, config, ignored, dict(state.dead))
-    if mine is None and ignored and config.shard_depth == 0:
-        # alone on the prefix's board, the last one (nowhere to fall back): better with the peers I ignore
-        mine, start_at = _my_plan(me, now, board, config, set(), dict(state.dead))
+    mine, start_at, company = _my_plan(me, now, board, config, ignored, dict(state.dead))
+    if mine is None and ignored and company < config.min_group_size and config.shard_depth == 0:
+        # alone on the prefix's board, the last one (nowhere to fall back): better with the peers I ignore.
+        # Not where others are looking: before the scheduled time a peer is in no group while it waits
+        # for a full one, and planning with a hostile leader it had left then held three honest peers
+        # until their deadline (test_matchmaking_dht, LyingDesk)
+        mine, start_at, _ = _my_plan(me, now, board, config, set(), dict(state.dead))
     if mine is None and config.shard_depth == 0:
         taken = _taken_in(state, me, now, board, config, direct)
         if taken is not None:
@@ -243,9 +246,10 @@ def _my_plan(
     config: MatchmakingConfig,
     ignored: set[str],
     dead: dict[PeerKey, float],
-) -> tuple[tuple[Declaration, ...] | None, float]:
-    """The group planned with this peer (None: none) and when it starts, from the board's looking peers
-    less those ``ignored`` and the ``dead`` declarations that were not refreshed since (see :func:`_forget_dead`)."""
+) -> tuple[tuple[Declaration, ...] | None, float, int]:
+    """The group planned with this peer (None: none), when it starts, and how many peers it planned
+    from (itself included): the board's looking peers less those ``ignored`` and the ``dead``
+    declarations that were not refreshed since (see :func:`_forget_dead`)."""
     overlay = {
         key: d
         for key, d in board.declarations.items()
@@ -254,7 +258,8 @@ def _my_plan(
     overlay[me.member.key] = me  # my own declaration, even before the DHT shows it
     peers = looking_peers(now, replace(board, declarations=overlay), config)
     planned = plan_ahead(now, peers, config)
-    return next(((group, start) for group, start in planned if me in group), (None, now))
+    mine, start_at = next(((group, start) for group, start in planned if me in group), (None, now))
+    return mine, start_at, len(peers)
 
 
 def _lead(
