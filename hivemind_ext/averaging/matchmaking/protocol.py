@@ -198,7 +198,7 @@ def next_attempt(attempt: str) -> str:
 def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingConfig, direct: bool) -> Step:
     me = state.declaration
     # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
-    offers = _offers(me, now, board)
+    offers = _trusted(_offers(me, now, board), state.ignored, now)
     if offers:
         chosen = min(offers, key=lambda g: g.group_id)  # any fixed tie-break
         return _join(me, chosen, now, config, state.ignored, state)
@@ -443,7 +443,7 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
         if me.member.key in keys:
             members = tuple(m for m in group.members if m.key in keys)
             return Step(state, (), GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
-        others = _offers(me, now, board, group.group_id)  # e.g. the group its leader gave way to
+        others = _trusted(_offers(me, now, board, group.group_id), state.ignored, now)  # e.g. the one it gave way to
         if others:
             # the same leader's new seal first: it took a stray in (see _take_in); another open seal that
             # listed me too is an older plan, and joining it left that leader alone (0% dying, seed 4)
@@ -470,6 +470,14 @@ def _offers(me: Declaration, now: float, board: Board, mine: str | None = None) 
     """The open sealed groups that list this attempt of mine (other than ``mine``)."""
     sealed = (g for g in board.sealed.values() if g.group_id != mine)
     return [g for g in sealed if me.member.key in g.keys and is_open(g, now, board)]
+
+
+def _trusted(offers: list[SealedGroup], ignored: Ignored, now: float) -> list[SealedGroup]:
+    """The offers whose leader this peer does not leave out of its plans: a leader that failed it (lied,
+    stayed silent) and then took it into a new seal (:func:`_take_in`) held honest peers past their
+    deadline (test_matchmaking_dht, SilentDesk)."""
+    left_out = {peer for peer, until in ignored if until > now}
+    return [g for g in offers if g.leader.peer_id not in left_out]
 
 
 def _join(
