@@ -385,6 +385,82 @@ def test_a_leader_that_abandons_does_not_ignore_a_member_it_saw_not_refreshing()
     assert isinstance(again.state, Leading) and member(1) in again.state.group.members  # planned again
 
 
+def test_a_leader_leaves_a_member_it_saw_dead_out_of_its_next_plans_until_it_refreshes() -> None:
+    # A member that died after declaring stays on the board until its declaration expires: the leader that
+    # abandoned its group (or lost it) planned with it again and waited on it once more (1,000 simulated
+    # peers, 2% dying, seed 15: 11.9 polls to group everyone, against a goal of 10).
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg, count=2, ready_at=NOW)
+    now = NOW + 0.05
+    stale = _stale_board(leading.group, 1, (), now, cfg)
+    abandoned = step(leading, now, stale, cfg)
+    assert abandoned.group is None and isinstance(abandoned.state, Looking)
+    retry = step(abandoned.state, now + 0.01, Board(), cfg).state  # its new attempt declares first
+    dead, live = stale.declarations[member(1).key], declaration(2, ready_at=NOW)
+    again = step(retry, now + 0.05, board_of(dead, live), cfg)
+    assert isinstance(again.state, Leading) and again.state.group.members == (retry.declaration.member, member(2))
+    refreshed = replace(dead, expiration=now + cfg.request_timeout)  # it only looked dead: planned with again
+    assert member(1) in step(retry, now + 0.05, board_of(refreshed, live), cfg).state.group.members
+
+
+def test_alone_on_the_prefix_board_a_peer_plans_with_the_peers_it_ignores() -> None:
+    # Two honest peers can end up ignoring each other (a leader that abandoned its group ignores the
+    # members that did not confirm, a member ignores a leader that did not seal in time) while the rest
+    # of the swarm has grouped: waiting alone they stayed ungrouped for IGNORE_TIMEOUTS (1,000 simulated
+    # peers, 2% dying, seed 9: 65.8 polls to group everyone). A shard's peer falls back instead.
+    cfg = config()
+    me = replace(declared(0, ready_at=NOW), ignored=((peer(1), NOW + 3.0),))
+    other = declaration(1, ready_at=NOW)
+    result = step(me, NOW, board_of(other), cfg)
+    assert isinstance(result.state, Leading) and result.state.group.members == (member(0), member(1))
+    # not alone: the ignored peer stays out of its plans
+    with_another = step(me, NOW, board_of(other, declaration(2, ready_at=NOW)), cfg)
+    assert with_another.state.group.members == (member(0), member(2))
+    # nor where others wait with it for a full group before their scheduled time: a hostile leader it had
+    # left made the full group, and held three honest peers until their deadline (LyingDesk)
+    early = replace(declared(0), ignored=((peer(1), NOW + 3.0),))
+    waiting = step(early, NOW, board_of(*(declaration(i) for i in (1, 2, 3))), cfg)
+    assert isinstance(waiting.state, Looking)
+
+
+def test_a_leader_on_the_prefix_board_takes_in_a_peer_left_alone_there() -> None:
+    # Peers come to the prefix's board one by one as they fall back; a leader that sealed what it saw a
+    # moment before a late one came left that one alone, the last live peer in no group (1,000 simulated
+    # peers, 0% or 2% dying: 10 of 24 seeds each).
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg, count=2, ready_at=NOW)
+    group, now = leading.group, NOW + 0.05
+    late = declaration(2, ready_at=NOW)
+    board = board_of(late, markers={member(1).key: group.group_id}, sealed={group.group_id: group})
+    result = step(leading, now, board, cfg)
+    assert result.group is None and isinstance(result.state, Leading)
+    taken = result.state.group
+    assert taken.members == (member(0), member(1), member(2)) and taken.commit_by <= group.commit_by
+    assert [w.subkey for w in result.writes][:2] == [f"g/{taken.group_id}", f"c/{group.group_id}"]  # seal first
+    # its member reads the old group's commit without it, and joins the new seal (not another open one)
+    other = SealedGroup(group_id_for((member(1), member(16))), (member(1), member(16)), now + 1.0)
+    assert other.group_id < taken.group_id  # the lowest group id, the choice among other offers
+    after = board_after(*result.writes, board=replace(board, sealed={other.group_id: other}), now=now)
+    follower = step(Following(declaration(1), group), now + 0.01, after, cfg)
+    assert isinstance(follower.state, Following) and follower.state.group == taken
+    # once per stray, and only with room: a full group commits
+    again = step(result.state, now + 0.01, replace(board, sealed={taken.group_id: taken}), cfg)
+    assert not (isinstance(again.state, Leading) and again.state.group != taken)
+    assert step(leading, now, replace(board, declarations={}), cfg).group.size == 2  # nobody alone: commits
+    full, _ = _sealed_by_leader(cfg, count=4, ready_at=NOW)
+    confirmed = {member(i).key: full.group.group_id for i in (1, 2, 3)}
+    assert step(full, now, board_of(late, markers=confirmed, sealed={full.group.group_id: full.group}), cfg).group
+
+
+def test_a_peer_alone_below_an_open_groups_leader_does_not_take_the_group_over() -> None:
+    # It sealed the group with itself (its leader gives way to a lower seal): a leader that lies to its
+    # members then took every honest group over (test_matchmaking_dht, LyingDesk, 2 of 3 runs)
+    cfg = config()
+    group = SealedGroup(group_id_for((member(1), member(2))), (member(1), member(2)), NOW + 1.0)
+    result = step(declared(0, ready_at=NOW), NOW, board_of(sealed={group.group_id: group}), cfg)
+    assert isinstance(result.state, Looking) and result.writes == ()
+
+
 def test_a_full_group_that_lost_only_a_dead_member_commits_before_its_scheduled_time() -> None:
     cfg = config()
     leading, _ = _sealed_by_leader(cfg)  # a full group of 4, sealed long before its scheduled time
@@ -418,6 +494,25 @@ def test_an_abandoning_leader_waits_for_a_member_that_another_group_dropped() ->
     assert isinstance(step(leading, group.commit_by + 0.01, board, cfg).state, Looking)  # never past commit_by
     kept = replace(board, commits={other: Commit(other, (member(1).key, member(7).key))})
     assert isinstance(step(leading, now, kept, cfg).state, Looking)  # in the other group: not coming
+
+
+def test_a_leader_that_could_commit_waits_for_a_member_that_another_group_dropped() -> None:
+    # It waited only where it would otherwise abandon: a group of 3 committed 2, and the member on its way
+    # back was left alone on the prefix's board, the last live peer in no group (0% dying, seed 1).
+    cfg = config()
+    leading, _ = _sealed_by_leader(cfg, count=3, ready_at=NOW)
+    group, now = leading.group, NOW + 0.05
+    other = group_id_for((member(1), member(7)))
+    board = Board(
+        markers={member(1).key: other, member(2).key: group.group_id},
+        sealed={group.group_id: group},
+        commits={other: Commit(other, (member(7).key,))},
+    )
+    result = step(leading, now, board, cfg)
+    assert result.group is None and result.state == leading and result.urgent
+    joined = replace(board, markers={member(i).key: group.group_id for i in (1, 2)})
+    assert step(result.state, now + 0.05, joined, cfg).group.size == 3
+    assert step(leading, group.commit_by + 0.01, board, cfg).group.size == 2  # never past commit_by
 
 
 def test_a_sealed_group_past_its_commit_time_is_not_joined() -> None:
@@ -709,3 +804,15 @@ def test_honest_peers_group_around_a_leader_that_seals_them_all_with_a_far_commi
     check_agreement(result, cfg, count)
     assert result.ungrouped == () and len(result.groups) == count
     assert max(result.found_at.values()) < 3.0  # their scheduled time (1 s after they started), and a few polls
+
+
+def test_a_leader_does_not_give_way_to_a_lower_seal_of_a_leader_it_shuns() -> None:
+    # A leader that lies to its members and takes a peer alone into its group took honest groups over
+    # again and again (test_matchmaking_dht, LyingDesk, 2 of 3 runs)
+    cfg = config()
+    group = SealedGroup(group_id_for((member(1), member(2))), (member(1), member(2)), NOW + 1.0)
+    hostile = SealedGroup(group_id_for((member(0), member(1), member(2))), (member(0), member(1), member(2)), NOW + 1)
+    board = board_of(sealed={group.group_id: group, hostile.group_id: hostile})
+    leading = Leading(declaration(1), group, shunned=((peer(0), NOW + 3.0),))
+    assert step(leading, NOW, board, cfg).state.group == group
+    assert isinstance(step(replace(leading, shunned=()), NOW, board, cfg).state, Following)  # gives way otherwise

@@ -154,7 +154,15 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
 from hivemind_ext.averaging.matchmaking.board import Write, board_key, parse_board
 from hivemind_ext.averaging.matchmaking.confirmation import Confirmations, with_commit, with_confirmations
-from hivemind_ext.averaging.matchmaking.group import Board, Commit, Declaration, GroupInfo, MatchmakingConfig, Member
+from hivemind_ext.averaging.matchmaking.group import (
+    Board,
+    Commit,
+    Declaration,
+    GroupInfo,
+    MatchmakingConfig,
+    Member,
+    SealedGroup,
+)
 from hivemind_ext.averaging.matchmaking.listed import ListedPeers
 from hivemind_ext.averaging.matchmaking.protocol import (
     URGENT_POLL_FRACTION,
@@ -410,7 +418,8 @@ class Matchmaker:
             if result.group is not None or not isinstance(state, Leading) or state.group != previous.group:
                 members = result.group.members if result.group is not None else ()
                 self.confirmations.settle(Commit(previous.group.group_id, tuple(m.key for m in members)))
-        elif isinstance(state, Leading) and state.group.direct:
+        # a new direct group: sealed now, or resealed by its leader with a peer it took in (protocol._take_in)
+        if isinstance(state, Leading) and state.group.direct and not _leads(previous, state.group):
             self.confirmations.open(state.group)
 
     async def _read_unless_called(self, board: Board, deadline: float) -> Board:
@@ -563,6 +572,11 @@ class Matchmaker:
 def _awaits_calls(confirmations: Confirmations | None, state: State) -> bool:
     """Whether this peer leads a direct group: its members' calls, not only the board, move it on."""
     return confirmations is not None and isinstance(state, Leading) and state.group.direct
+
+
+def _leads(state: State, group: SealedGroup) -> bool:
+    """Whether ``state`` leads ``group`` already."""
+    return isinstance(state, Leading) and state.group == group
 
 
 def _joined_direct_group(previous: State, state: State) -> bool:
