@@ -61,11 +61,11 @@ HOP_FAILURES = (
 class GradientHops:
     """The hops after one peer's gradient rounds (see the module docstring).
 
-    :param context: the algorithm's context (its config's ``grad_averaging_hops``, its averager options)
-    :param grad_averager: the gradient averager, whose buffers hold the mean that each hop refines
+    :param context: the algorithm's context (its config's ``grad_averaging_hops``, its averager options);
+      a setting that cannot work raises ConfigurationError here, before any averager starts
     """
 
-    def __init__(self, context: AlgorithmContext, grad_averager: DecentralizedAverager) -> None:
+    def __init__(self, context: AlgorithmContext) -> None:
         self.context = context
         self.setting = context.config.grad_averaging_hops
         self.group_size = context.averager_options.get("target_group_size")
@@ -74,7 +74,8 @@ class GradientHops:
                 "grad_averaging_hops > 1 averages in rotating groups: pass averager_opts=dict(target_group_size=...) "
                 "(in one group of the whole swarm, one round already gives every peer the global mean)"
             )
-        self.grad_averager = grad_averager
+        #: the gradient averager, whose buffers hold the mean that each hop refines (set by its owner)
+        self.grad_averager: DecentralizedAverager | None = None
         self.averagers: dict[int, DecentralizedAverager] = {}  # hop -> its averager (hop 0: the gradient round's)
         #: per hop after the first, in the last epoch: the members of its group (0: skipped or failed)
         self.last_hops: list[int] = []
@@ -105,6 +106,7 @@ class GradientHops:
     def _hop(self, hop: int, *, epoch: int, covered: int) -> tuple[int, int] | None:
         """One hop: (samples covered, group members), or None if it was skipped."""
         config = self.context.config
+        assert self.grad_averager is not None, "GradientHops.grad_averager is not set"
         averager = self._averager(hop)
         with self.grad_averager.get_tensors() as current, averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, current, strict=True):
@@ -143,6 +145,7 @@ class GradientHops:
         if averager is not None:
             return averager
         config = self.context.config
+        assert self.grad_averager is not None
         with self.grad_averager.get_tensors() as current:
             buffers = [torch.zeros_like(t) for t in current]
         options = {"allow_state_sharing": False, **self.context.averager_options}

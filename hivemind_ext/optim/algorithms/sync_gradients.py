@@ -84,6 +84,7 @@ class SyncGradientsImpl(AlgorithmImpl):
         super().__init__(context)
         config = context.config
         self.state_rounds = StateRounds(context)
+        self.hops = GradientHops(context)  # grad_averaging_hops: the rounds after the first (checked first)
         factory = context.grad_averager_factory or GradientAverager
         # newcomers download the state averager's state, never accumulated gradients: a gradient
         # averager that served them would only advertise itself in the DHT at every change
@@ -103,7 +104,7 @@ class SyncGradientsImpl(AlgorithmImpl):
         if not isinstance(averager, GradientAverager):
             raise ConfigurationError("grad_averager_factory must return a hivemind_ext GradientAverager")
         self.grad_averager = averager
-        self.hops = GradientHops(context, averager)  # grad_averaging_hops: the rounds after the first
+        self.hops.grad_averager = averager
         self.background = BackgroundWorker(f"{config.run_id}-optimizer")
         self.scheduled_round: StepControl | None = None  # pre-scheduled for this epoch's end
         self.blocked_seconds = 0.0
