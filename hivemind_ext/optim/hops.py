@@ -11,8 +11,8 @@ matchmaking board (:func:`hop_prefix`): after the first, each peer holds its gro
 further hop averages those means again, weighted by the samples each one covers, with a group
 that the rotation (``averaging.matchmaking.rotation``) draws from different groups of the hop before.
 With ``N = M**d`` peers whose groups all fill, every peer holds the global mean after ``d`` hops.
-A hop that finds no group within its search window (:func:`hop_plan`) is skipped: the peer
-steps on what it has, as it does today.
+A hop that finds no group within its search window (:func:`hop_plan`: two matchmaking times) is
+skipped: the peer steps on what it has, as it does today.
 
 ``"auto"`` chooses ``d`` every epoch from the trainers the progress tracker sees
 (:func:`hop_count`). The setting is part of the run fingerprint.
@@ -62,10 +62,12 @@ def hop_prefix(grad_prefix: str, hop: int) -> str:
 
 
 def hop_plan(now: float, *, matchmaking_time: float, averaging_timeout: float) -> tuple[float, float]:
-    """``(scheduled_time, deadline)`` of a hop that starts looking at ``now``: it looks for a full group
-    for at most one ``matchmaking_time`` (then forms whatever group is there, or none: the search
-    cut-off), and its all-reduce gets ``averaging_timeout`` from then."""
-    scheduled = now + matchmaking_time
+    """``(scheduled_time, deadline)`` of a hop that starts looking at ``now``: as a gradient round that
+    expects a group size (:func:`~hivemind_ext.optim.rounds.plan_round`), it looks for a full group for
+    at most two ``matchmaking_time`` (the first in its shard, the second on the coarser boards it falls
+    back to, where full groups still form at once), then forms whatever group is there, or none: the
+    search cut-off. Its all-reduce gets ``averaging_timeout`` from then."""
+    scheduled = now + 2 * matchmaking_time
     return scheduled, scheduled + averaging_timeout
 
 
