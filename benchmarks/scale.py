@@ -32,8 +32,9 @@
    peer at 8, 16, 32 and 64 peers (simulated writers' signed records in a real DHT, a real
    ProgressTracker reading them); ``--progress-peers 8 16 32 64`` (not run by default).
 4. Digits training (:mod:`scale_training`, ``--digits 16``, not run by default): 16 peers in rotating
-   groups of ``--digits-group`` (4) against one group of 16, the same samples per peer and epoch
-   (the peers train in lockstep): held-out loss and the spread of parameters.
+   groups of ``--digits-group`` (4) with ``grad_averaging_hops=--digits-hops`` (default auto: 2 for
+   16 peers in groups of 4; 1 is one gradient round per epoch) against one group of 16, the same
+   samples per peer and epoch (the peers train in lockstep): held-out loss and the spread of parameters.
 
     python benchmarks/scale.py                                   # the default: < 10 min
     python benchmarks/scale.py --no-sim --peers 8 16 32 64 --big-peers      # rotating groups up to 64
@@ -172,9 +173,7 @@ def start_peer(index: int, case: RealCase, initial: list[str], host: Any) -> tup
     else:
         from hivemind.averaging import DecentralizedAverager
 
-        dht = wait_created(
-            lambda: CountingDHT(initial_peers=initial, counters=counters, start=True, **loopback)
-        )
+        dht = wait_created(lambda: CountingDHT(initial_peers=initial, counters=counters, start=True, **loopback))
         bits = hivemind_grid_bits(index, case)
     averager = DecentralizedAverager(
         [torch.full((case.size,), float(index))],
@@ -549,13 +548,16 @@ def progress_results(counts: list[int]) -> list[Result]:
     return results
 
 
-def digits_results(peers: int, group: int, epochs: int) -> list[Result]:
-    """Issue 14: digits training in rotating groups against one group of the whole swarm."""
+def digits_results(
+    peers: int, group: int, epochs: int, hops: int | str = "auto", timeout: float = 200.0
+) -> list[Result]:
+    """Issue 14: digits training in rotating groups (``grad_averaging_hops=hops``) against one group of
+    the whole swarm."""
     from scale_training import compare_groups
 
-    outcomes = compare_groups(peers=peers, group=group, epochs=epochs)
+    outcomes = compare_groups(peers=peers, group=group, epochs=epochs, hops=hops, timeout=timeout)
     grouped, whole = outcomes[f"groups of {group}"], outcomes["one group"]
-    case = f"digits, {peers} peers, groups of {group} vs one group"
+    case = f"digits, {peers} peers, groups of {group}" + (f" ({hops} hops)" if hops != 1 else "") + " vs one group"
     # a case cut short, or samples that differ, compares nothing
     complete = all(o["epochs"][0] >= epochs and o["samples"] == o["target_samples"] for o in (grouped, whole))
     ratio = grouped["loss"] / whole["loss"] if complete else None
@@ -599,6 +601,11 @@ def simulation_rows(args: argparse.Namespace) -> list[Result]:
     return results
 
 
+def hops_argument(text: str) -> int | str:
+    """``--digits-hops``: "auto" or a number of hops."""
+    return text if text == "auto" else int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, nargs="*", default=[8, 16], help="real swarm sizes (e.g. 8 16 32 64)")
@@ -619,6 +626,13 @@ def main() -> None:
     parser.add_argument("--digits", type=int, default=0, metavar="PEERS", help="digits training in groups (e.g. 16)")
     parser.add_argument("--digits-group", type=int, default=4)
     parser.add_argument("--digits-epochs", type=int, default=12)
+    parser.add_argument("--digits-timeout", type=float, default=200.0, help="seconds per digits case")
+    parser.add_argument(
+        "--digits-hops",
+        type=hops_argument,
+        default="auto",
+        help="grad_averaging_hops of the peers in groups: 1 (one round per epoch, as before), 2, ... or auto",
+    )
     args = parser.parse_args()
     print(describe_machine(), "| load", os.getloadavg(), flush=True)
     results: list[Result] = []
@@ -628,7 +642,9 @@ def main() -> None:
     if args.progress_peers:
         results.extend(progress_results(args.progress_peers))
     if args.digits:
-        results.extend(digits_results(args.digits, args.digits_group, args.digits_epochs))
+        results.extend(
+            digits_results(args.digits, args.digits_group, args.digits_epochs, args.digits_hops, args.digits_timeout)
+        )
     if not args.no_real:
         results.extend(grouped_rows(args))
         if args.big_peers:

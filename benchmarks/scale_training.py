@@ -69,9 +69,10 @@ def train_case(
     steps_per_epoch: int,
     lr: float,
     timeout: float,
+    hops: int | str = 1,
 ) -> dict[str, Any]:
     """Every peer trains ``epochs`` epochs of ``steps_per_epoch`` batches in lockstep (see the module
-    docstring); ``group``: target_group_size (None: one group)."""
+    docstring); ``group``: target_group_size (None: one group); ``hops``: ``grad_averaging_hops``."""
     import hivemind_ext
 
     if steps_per_epoch < 2:
@@ -94,6 +95,7 @@ def train_case(
             shutdown_timeout=2.0,
             tracker_opts={**TRACKER, "private_key": key},
             averager_opts=averager_opts,
+            grad_averaging_hops=hops,
         )
         for dht, model, key in zip(dhts, models, keys, strict=True)
     ]
@@ -103,6 +105,7 @@ def train_case(
     samples = [0] * peers
     discarded = [0] * peers  # batches whose step() resynchronized the peer instead of counting them
     group_sizes: list[int] = []  # members of each gradient round a peer took part in (as it ended its epoch)
+    hop_sizes: list[int] = []  # members of each further hop's group (0: the hop was skipped)
     errors: list[str] = []
     stop = threading.Event()
 
@@ -118,6 +121,7 @@ def train_case(
             while opt.local_epoch < epochs and not stop.is_set():
                 if opt.local_epoch != epoch:
                     group_sizes.append(len(opt.last_round_samples))
+                    hop_sizes.extend(opt.engine.hops.last_hops)
                     epoch, done = opt.local_epoch, 0
                 if done >= steps_per_epoch - 1 and not swarm_is_at_last_batch(opt, epoch):
                     time.sleep(WAIT_POLL)
@@ -171,6 +175,7 @@ def train_case(
         target_samples=peers * batch * steps_per_epoch * epochs,
         epochs=(min(finished), max(finished)),
         group_size=statistics.mean(group_sizes) if group_sizes else 0.0,
+        hop_sizes=collections.Counter(hop_sizes),
         state_rounds=(state_rounds["applied"], state_rounds["applied"] + state_rounds["not applied"]),
         repeated_rounds=state_rounds["repeated"],
         seconds=seconds,
@@ -244,9 +249,16 @@ def process_tree_cpu() -> dict[str, float]:
 
 
 def compare_groups(
-    peers: int = 16, group: int = 4, epochs: int = 12, batch: int = 8, steps_per_epoch: int = 2, timeout: float = 200.0
+    peers: int = 16,
+    group: int = 4,
+    epochs: int = 12,
+    batch: int = 8,
+    steps_per_epoch: int = 2,
+    timeout: float = 200.0,
+    hops: int | str = 1,
 ) -> dict[str, dict[str, Any]]:
-    """Both cases on one swarm of ``peers`` DHTs: ``{"groups": ..., "one group": ...}``."""
+    """Both cases on one swarm of ``peers`` DHTs: ``{"groups": ..., "one group": ...}``; ``hops``: the
+    groups' ``grad_averaging_hops`` (one group of the whole swarm averages in one round)."""
     data = load_digits()
     keys = [RSAPrivateKey() for _ in range(peers)]
     outcomes = {}
@@ -263,6 +275,7 @@ def compare_groups(
                 steps_per_epoch=steps_per_epoch,
                 lr=0.01,
                 timeout=timeout,
+                hops=hops if size is not None else 1,
             )
             outcomes[name] = outcome
             error = f", ERROR {outcome['error']}" if outcome["error"] else ""
@@ -272,7 +285,8 @@ def compare_groups(
                 f"accuracy {outcome['accuracy']:.3f}, spread {outcome['spread']:.4f} (moved {outcome['moved']:.3f}), "
                 f"{outcome['samples']} of {outcome['target_samples']} samples ({outcome['discarded']} batches "
                 f"discarded by resyncs), epochs {outcome['epochs']}, "
-                f"gradient rounds of {outcome['group_size']:.1f} peers on average, parameter rounds applied "
+                f"gradient rounds of {outcome['group_size']:.1f} peers on average, further hops' groups "
+                f"{dict(sorted(outcome['hop_sizes'].items()))} (size: count; 0: skipped), parameter rounds applied "
                 f"{outcome['state_rounds'][0]} of {outcome['state_rounds'][1]} ({outcome['repeated_rounds']} with the "
                 f"members of the gradient round), {outcome['seconds']:.0f} s "
                 f"(CPU s: {cpu}), load {os.getloadavg()[0]:.1f}{error}",

@@ -451,6 +451,15 @@ INVALID = [
     ("unknown_averager_opt", dict(averager_opts={"no_such_option": 1}), "averager_opts"),
     ("unknown_tracker_opt", dict(tracker_opts={"no_such_option": 1}), "tracker_opts"),
     ("dht_not_a_dht", dict(dht="not a dht"), "dht"),
+    ("grad_averaging_hops_zero", dict(grad_averaging_hops=0), "grad_averaging_hops must be"),
+    ("grad_averaging_hops_word", dict(grad_averaging_hops="many"), "grad_averaging_hops must be"),
+    ("grad_averaging_hops_local_updates", dict(grad_averaging_hops=2, use_local_updates=True), "use_local_updates"),
+    (
+        "grad_averaging_hops_custom_algorithm",
+        dict(grad_averaging_hops="auto", algorithm=hivemind_ext.optim.algorithms.DiLoCo(inner_steps=4)),
+        "custom algorithm",
+    ),
+    ("grad_averaging_hops_one_group", dict(grad_averaging_hops=2), "target_group_size"),
 ]
 
 

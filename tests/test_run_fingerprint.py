@@ -85,6 +85,8 @@ def _fingerprint(state: TrainingState | None = None, **changes: Any) -> RunFinge
             "average_opt_statistics ['exp_avg'] here, [] in the swarm",
         ),
         ("codec of an algorithm", lambda: _fingerprint(algorithm=DiLoCo(inner_steps=10, codec=None)), "codec="),
+        ("gradient hops", lambda: _fingerprint(grad_averaging_hops=2), "grad_averaging_hops 2 here, 1 in the swarm"),
+        ("automatic hops", lambda: _fingerprint(grad_averaging_hops="auto"), "grad_averaging_hops 'auto' here"),
     ],
 )
 def test_every_listed_field_changes_the_fingerprint_and_the_difference_names_it(what, make, named):

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.optim.hops import check_hops
 from hivemind_ext.optim.keys import check_run_id
 
 
@@ -42,6 +43,8 @@ class OptimizerConfig:
     verbose: bool
     optimizer_from_factory: bool  # optimizer=callable(params) with params=..., rather than an instance
     custom_grad_averager: bool  # grad_averager_factory was given
+    grad_averaging_hops: int | str = 1  # gradient rounds per epoch (see hivemind_ext.optim.hops)
+    custom_algorithm: bool = False  # an algorithm other than the default GradientAllReduce was given
 
     @classmethod
     def resolve(
@@ -91,6 +94,7 @@ class OptimizerConfig:
         if self.batch_size_per_step is not None:
             _positive_int("batch_size_per_step", self.batch_size_per_step)
         _positive_int("average_state_every", self.average_state_every)
+        check_hops(self.grad_averaging_hops)
         for name in (
             "matchmaking_time",
             "averaging_timeout",
@@ -128,6 +132,11 @@ class OptimizerConfig:
             raise ConfigurationError(
                 "offload_optimizer and delayed optimizer steps need the optimizer as a factory: "
                 "Optimizer(..., params=model.parameters(), optimizer=lambda params: torch.optim.Adam(params))"
+            )
+        if self.grad_averaging_hops != 1 and (self.use_local_updates or self.custom_algorithm):
+            raise ConfigurationError(
+                "grad_averaging_hops applies to the default synchronous gradient averaging only: drop it with "
+                + ("use_local_updates=True (no gradient rounds)" if self.use_local_updates else "a custom algorithm")
             )
         if self.use_local_updates:
             if self.reuse_grad_buffers:

@@ -197,6 +197,7 @@ def trainer_fingerprint(
     algorithm: Any,
     use_local_updates: bool,
     average_state_every: int,
+    grad_averaging_hops: int | str = 1,
 ) -> RunFingerprint:
     """A training peer's fingerprint: everything that must match for it to average with the swarm.
     ``state`` is its :class:`~hivemind_ext.optim.training_state.TrainingState` (the model's parameters,
@@ -216,6 +217,8 @@ def trainer_fingerprint(
             "algorithm": describe_algorithm(algorithm),
             "use_local_updates": use_local_updates,
             "average_state_every": average_state_every,
+            # peers that average in different numbers of hops would meet on boards the others never read
+            "grad_averaging_hops": describe_setting(grad_averaging_hops),
             "average_opt_statistics": describe_setting(sorted(state.average_opt_statistics)),
         }
     )

@@ -82,6 +82,7 @@ class Optimizer(torch.optim.Optimizer):
     see :mod:`hivemind_ext.optim.state_trust` for how downloads are trusted).
     ``metrics_period``: publish this peer's metrics (epoch, speed, role, rounds, traffic, and the losses
     given to :meth:`report_loss`) as a signed DHT record every that many seconds, for ``hivemind-ext monitor``.
+    ``grad_averaging_hops``: gradient rounds per epoch in rotating groups (see :mod:`hivemind_ext.optim.hops`).
     """
 
     #: GradScaler.step(opt) hands itself to ``step(grad_scaler=...)`` (see hivemind_ext.optim.grad_scaler)
@@ -127,11 +128,13 @@ class Optimizer(torch.optim.Optimizer):
         progress: bool | TextIO | None = None,
         metrics_period: float | None = None,
         state_bounds: StateBounds | None = None,
+        grad_averaging_hops: int | str = 1,
     ) -> None:
         if not isinstance(dht, DHT):
             raise ConfigurationError(f"dht must be a running hivemind.DHT, got {type(dht).__name__}")
         params = list(params) if params is not None else None
-        if offload_optimizer is None and algorithm is not None and not isinstance(algorithm, GradientAllReduce):
+        custom_algorithm = algorithm is not None and not isinstance(algorithm, GradientAllReduce)
+        if offload_optimizer is None and custom_algorithm:
             offload_optimizer = False  # algorithms step the model's own parameters
         # asked with a deadline (hivemind's properties wait for ever on a hung DHT process), and then kept
         # by the DHT for every component that reads them
@@ -140,6 +143,8 @@ class Optimizer(torch.optim.Optimizer):
             dht_client_mode=dht_client_mode(dht),
             optimizer_from_factory=params is not None,
             custom_grad_averager=grad_averager_factory is not None,
+            custom_algorithm=custom_algorithm,
+            grad_averaging_hops=grad_averaging_hops,
             client_mode=client_mode,
             delay_optimizer_step=delay_optimizer_step,
             delay_grad_averaging=delay_grad_averaging,
@@ -199,6 +204,7 @@ class Optimizer(torch.optim.Optimizer):
                 algorithm=algorithm or GradientAllReduce(),
                 use_local_updates=use_local_updates,
                 average_state_every=average_state_every,
+                grad_averaging_hops=grad_averaging_hops,
             )
         )
         self.averager_opts.setdefault("fingerprint", "" if auxiliary else self.fingerprint.digest)

@@ -454,6 +454,17 @@ def gathered_epochs(gathered: Any) -> set[int]:
     return epochs
 
 
+def gathered_samples(gathered: Any) -> dict[str, int]:
+    """Samples per member from a gradient round's gathered data ({"samples": n} from each member);
+    gather data is untrusted wire input: anything else (e.g. an auxiliary peer's None) counts as 0."""
+    samples = {}
+    for peer, data in (gathered or {}).items():
+        value = data.get("samples") if isinstance(data, dict) else None
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
+        samples[str(peer)] = value if ok else 0
+    return samples
+
+
 #: in groups smaller than the swarm, a state round may mix epochs this far apart (see :func:`epochs_mix_well`)
 MAX_EPOCH_SPREAD_IN_GROUPS = 2
 

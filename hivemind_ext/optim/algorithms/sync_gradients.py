@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hivemind.utils import get_dht_time
 
@@ -37,12 +37,13 @@ from hivemind_ext.errors import (
     MatchmakingError,
 )
 from hivemind_ext.optim.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl
+from hivemind_ext.optim.algorithms.grad_hops import GradientHops
 from hivemind_ext.optim.algorithms.local_updates import LocalUpdatesImpl
 from hivemind_ext.optim.algorithms.state_rounds import StateRounds
 from hivemind_ext.optim.background import BackgroundWorker
 from hivemind_ext.optim.grad_averager import GradientAverager
 from hivemind_ext.optim.keys import grad_prefix
-from hivemind_ext.optim.rounds import gathered_epochs, missed_round, should_prepare_round
+from hivemind_ext.optim.rounds import gathered_epochs, gathered_samples, missed_round, should_prepare_round
 
 if TYPE_CHECKING:
     from hivemind_ext.optim.grad_scaler import BoundGradScaler
@@ -73,17 +74,6 @@ def _chain(first: Callable[[], None], then: Callable[[], None] | None) -> Callab
     return job
 
 
-def gathered_samples(gathered: Any) -> dict[str, int]:
-    """Samples per member from a gradient round's gathered data ({"samples": n} from each member);
-    gather data is untrusted wire input: anything else (e.g. an auxiliary peer's None) counts as 0."""
-    samples = {}
-    for peer, data in (gathered or {}).items():
-        value = data.get("samples") if isinstance(data, dict) else None
-        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
-        samples[str(peer)] = value if ok else 0
-    return samples
-
-
 class SyncGradientsImpl(AlgorithmImpl):
     """The standard synchronous path (see the module docstring): a StepEngine itself, which owns its
     gradient averager, its pre-scheduled rounds and its background worker."""
@@ -94,6 +84,7 @@ class SyncGradientsImpl(AlgorithmImpl):
         super().__init__(context)
         config = context.config
         self.state_rounds = StateRounds(context)
+        self.hops = GradientHops(context)  # grad_averaging_hops: the rounds after the first (checked first)
         factory = context.grad_averager_factory or GradientAverager
         # newcomers download the state averager's state, never accumulated gradients: a gradient
         # averager that served them would only advertise itself in the DHT at every change
@@ -113,11 +104,13 @@ class SyncGradientsImpl(AlgorithmImpl):
         if not isinstance(averager, GradientAverager):
             raise ConfigurationError("grad_averager_factory must return a hivemind_ext GradientAverager")
         self.grad_averager = averager
+        self.hops.grad_averager = averager
         self.background = BackgroundWorker(f"{config.run_id}-optimizer")
         self.scheduled_round: StepControl | None = None  # pre-scheduled for this epoch's end
         self.blocked_seconds = 0.0
-        self.last_epoch_samples = 0  # samples averaged in this peer's last epoch (its group's total)
-        self.last_round_samples: dict[str, int] = {}  # the same, per group member (base58 peer id)
+        # samples averaged in this peer's last epoch (its group's total; with hops, what the last hop covers)
+        self.last_epoch_samples = 0
+        self.last_round_samples: dict[str, int] = {}  # its first round's, per group member (base58 peer id)
 
     # ----- the StepEngine
 
@@ -151,6 +144,7 @@ class SyncGradientsImpl(AlgorithmImpl):
         try:
             self.background.shutdown(self.context.config.shutdown_timeout)
             self._cancel_scheduled_round()
+            self.hops.shutdown()
         finally:
             try:
                 self.grad_averager.shutdown()
@@ -369,6 +363,8 @@ class SyncGradientsImpl(AlgorithmImpl):
             # download that raced their step): the update still helps, but download the state next
             logger.info(f"groupmates were at epochs {sorted(epochs)}: resynchronizing")
             rounds.request_resync(missed=True)  # the swarm is at another epoch: this peer missed its round
+        elif self.hops.enabled:  # grad_averaging_hops: the further rounds refine the mean in the buffers
+            self.last_epoch_samples = self.hops.run(epoch=epoch, covered=self.last_epoch_samples)
         return True
 
     def _finish_gradient_round(self, control: StepControl, *, epoch: int, apply: bool) -> None:
