@@ -13,10 +13,12 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import hivemind
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -25,7 +27,7 @@ from sklearn.model_selection import train_test_split
 from swarm import LOOPBACK, addresses, new_peer, wait_for, wait_until_connected
 from torch.utils.data import DataLoader, TensorDataset
 
-from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.errors import ConfigurationError, DeadlineExceededError
 from hivemind_ext.integrations.lightning import HivemindExtStrategy, StopAtSwarmEpoch
 
 FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
@@ -284,6 +286,49 @@ def test_settings_that_would_step_twice_or_zero_the_accumulator_are_refused() ->
             trainer(max_epochs=1, strategy=strategy, accumulate_grad_batches=2), DigitsClassifier(), loader(train, 32)
         )
     assert strategy.dht is None  # no swarm was joined
+
+
+class _HungDHT:
+    """Stands for ``hivemind.DHT``: its start never completes (a daemon or bootstrap that hangs). A wait
+    without a deadline fails the test after 5 s instead of hanging it."""
+
+    made: list[_HungDHT] = []
+
+    def __init__(self, initial_peers=None, *, start: bool, **kwargs) -> None:
+        self.stopped = False
+        _HungDHT.made.append(self)
+        if start:
+            self.wait_until_ready(None)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        time.sleep(5.0 if timeout is None else min(timeout, 5.0))
+        if timeout is None:
+            raise AssertionError("waited for the DHT to start without a deadline")
+        raise TimeoutError
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+
+@pytest.mark.timeout(60)
+def test_a_dht_that_never_starts_fails_fit_after_its_deadline_and_is_stopped(monkeypatch) -> None:
+    """Before, the strategy called ``hivemind.DHT(start=True)``, which waits for ever on a hung bootstrap."""
+    monkeypatch.setattr(hivemind, "DHT", _HungDHT)
+    _HungDHT.made.clear()
+    with pytest.raises(ConfigurationError, match="timeout"):
+        HivemindExtStrategy(run_id="r", target_batch_size=64, dht_start_timeout=0)
+    strategy = HivemindExtStrategy(run_id=run_id("hung"), target_batch_size=64, dht_start_timeout=0.5)
+    train, _ = digits()
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match=r"did not start within 0\.5 s"):
+        quiet_fit(trainer(max_epochs=1, strategy=strategy), DigitsClassifier(), loader(train, 32))
+    assert time.monotonic() - started < 30
+    assert len(_HungDHT.made) == 1 and _HungDHT.made[0].stopped  # the half-started DHT is shut down
+    assert strategy.dht is None
 
 
 def test_importing_hivemind_ext_does_not_import_lightning() -> None:

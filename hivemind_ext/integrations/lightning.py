@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 
 from hivemind_ext.errors import ConfigurationError
 from hivemind_ext.optim.optimizer import Optimizer
+from hivemind_ext.p2p.dht_calls import DEFAULT_DHT_START_TIMEOUT, check_timeout, start_dht
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ class HivemindExtStrategy(SingleDeviceStrategy):
     ``grad_compression``, ``use_local_updates``, ``verbose``, ...) go to the Optimizer unchanged.
     ``batch_size_per_step``: the samples each step reports; by default the size of each batch.
     ``dht``: a running ``hivemind.DHT`` to use (the caller shuts it down); otherwise the strategy
-    starts one with ``initial_peers``, ``host_maddrs`` and ``dht_kwargs`` and stops it after ``fit``.
+    starts one with ``initial_peers``, ``host_maddrs`` and ``dht_kwargs`` and stops it after ``fit``;
+    ``dht_start_timeout``: seconds it waits for that DHT to start (its daemon, then the bootstrap through
+    the initial peers) before ``fit`` fails with :class:`~hivemind_ext.errors.DeadlineExceededError`.
     ``device``: where the model trains; by default the accelerator's first device.
 
     The Optimizer wraps the torch optimizer object that the LightningModule configured, so the
@@ -72,6 +75,7 @@ class HivemindExtStrategy(SingleDeviceStrategy):
         initial_peers: Sequence[str] = (),
         host_maddrs: Sequence[str] | None = None,
         dht_kwargs: dict[str, Any] | None = None,
+        dht_start_timeout: float = DEFAULT_DHT_START_TIMEOUT,
         device: str | torch.device | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -87,6 +91,7 @@ class HivemindExtStrategy(SingleDeviceStrategy):
             raise ConfigurationError("an auxiliary peer does not train: run `hivemind-ext aux` instead of a Trainer")
         if dht is not None and (initial_peers or host_maddrs or dht_kwargs):
             raise ConfigurationError("pass either a running dht or initial_peers/host_maddrs/dht_kwargs, not both")
+        self._dht_start_timeout = check_timeout(dht_start_timeout)
         super().__init__(device=device if device is not None else "cpu")
         # the Trainer's accelerator connector fills this in from accelerator= and devices= when None
         self.parallel_devices: list[torch.device] | None = [self._root_device] if device is not None else None
@@ -132,9 +137,12 @@ class HivemindExtStrategy(SingleDeviceStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         torch_optimizer, scheduler = self._check_trainer(trainer)
-        if self._dht is None:
-            self._dht = hivemind.DHT(start=True, **self._dht_kwargs)
+        starting = self._dht is None
+        if starting:
+            self._dht = hivemind.DHT(start=False, **self._dht_kwargs)
         try:
+            if starting:  # with a deadline: DHT(start=True) waited for ever on a daemon or bootstrap that hangs
+                start_dht(self._dht, timeout=self._dht_start_timeout)
             self._hivemind_optimizer = Optimizer(
                 dht=self._dht,
                 run_id=self.run_id,

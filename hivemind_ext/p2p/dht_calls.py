@@ -275,6 +275,7 @@ __all__ = [
     "DHTCalls",
     "DHTLike",
     "add_validators",
+    "check_timeout",
     "dht_client_mode",
     "dht_peer_id",
     "start_dht",
