@@ -230,6 +230,20 @@ def test_a_peer_in_no_full_group_of_its_shard_soon_falls_back_to_the_coarser_sha
     assert not step(Looking(mine), 20.0, board_of(mine), root).fall_back, "the prefix's board is the last"
 
 
+def test_a_shard_peer_does_not_fall_back_on_the_first_read_that_lost_its_planned_group() -> None:
+    # A read may lag more than the one before and show less: a peer that fell back on such a read left
+    # the leader that had just sealed it alone on the shard's board, and that one came to the prefix's
+    # board after its groups had committed (1,000 simulated peers, 0% dying, seeds 9 and 20).
+    cfg = config(target_group_size=4, digits=(0, 1, 2), shard_depth=2, min_matchmaking_time=1.0)
+    me = Declaration(**{**declaration(2, prefix=cfg.group_key, ready_at=20.0).__dict__, "digits": cfg.digits})
+    leader = Declaration(**{**declaration(1, prefix=cfg.group_key, ready_at=20.0).__dict__, "digits": (3, 1, 2)})
+    planned = step(Looking(me), 20.0, board_of(me, leader), cfg)
+    assert not planned.fall_back and planned.state.waiting_on == (leader.member.peer_id, 20.0)
+    lost = step(planned.state, 20.01, board_of(me), cfg)  # a read that lags behind the one before
+    assert not lost.fall_back and isinstance(lost.state, Looking) and lost.state.waiting_on is None
+    assert step(lost.state, 20.06, board_of(me), cfg).fall_back, "still alone on the next read: it falls back"
+
+
 def test_full_groups_form_at_once_on_the_prefixs_board_of_a_sharded_swarm() -> None:
     # Peers that fell back there from their shards waited for a whole swarm that never came, until
     # their scheduled time, then split into small groups (64 real peers: groups of 2-7).

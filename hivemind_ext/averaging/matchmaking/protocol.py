@@ -213,7 +213,7 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
     offers = _offers(me, now, board, config, state.shunned)
     if offers:
-        return _join(me, min(offers, key=lambda g: g.group_id), now, config, state)  # any fixed tie-break
+        return _join(me, min(offers, key=_lowest_leader), now, config, state)
     if me.expiration == -math.inf:
         # A new attempt only declares; it plans (and may seal) from its next step on. Sealing on its first
         # read, before anyone had seen it, took members out of groups planned without it (a lower leader's
@@ -236,7 +236,13 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     if deputy:
         return _lead(state, me, deputy, now, config, start_at, direct)
     stranded = mine is None or deputy == ()  # planned only with overdue peers: as good as no group
-    if stranded and config.shard_depth > 0 and (waited or now >= me.ready_at):
+    # Not on the first read that shows no group where the read before planned one: a read may lag more
+    # than the one before and show less (reads go to different replicas). A peer that fell back on such a
+    # read left the leader that had just sealed it alone on the shard's board; that one fell back last,
+    # after the prefix's board had committed its groups: the last live peer in no group (1,000 simulated
+    # peers, 0% dying, seeds 9 and 20). The next read comes a poll later, so the lag has passed.
+    lost = mine is None and state.waiting_on is not None
+    if stranded and config.shard_depth > 0 and (waited or now >= me.ready_at) and not lost:
         return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no full group here
     if mine is None or mine[0].member != me.member:
         # In a planned group: its leader seals soon. Just started looking: peers that start at the same
@@ -354,7 +360,7 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
     # a member that another group dropped is on its way here too (see _dropped)
     waiting = any(
         m.key not in state.gone and (_coming(m, group, me, now, board) or _dropped(m, group, board)) for m in others
-    )
+    ) or _rivals(group, state, now, board, config)
     if waiting and now < group.commit_by:
         return Step(state, urgent=True)
     members = tuple(m for m in group.members if m.key in confirmed)
@@ -389,6 +395,39 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         ignored = _ignore(state.ignored, silent, now, config)
         return _retry(state.declaration, now, config, commits, ignored, state)
     return Step(state, commits, GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
+
+
+def _lowest_leader(group: SealedGroup) -> tuple[PeerKey, str]:
+    """Which of several open seals that list a looking peer it joins: the lowest leader's (then the
+    lowest group id). The leader it leaves is above the one it joins, so that one can take it in if it
+    ends alone (:func:`_rivals`); by group id alone, a member joined the higher of two leaders that
+    had sealed it, and the lower one, which no open group takes in, was the last live peer in no group
+    (1,000 simulated peers, 0% dying, seed 12)."""
+    return (group.leader.key, group.group_id)
+
+
+def _rivals(group: SealedGroup, state: Leading, now: float, board: Board, config: MatchmakingConfig) -> bool:
+    """Whether the leader of ``group``, open on the prefix's board with room, waits before it commits
+    for the leader of another open seal that lists one of its members: a leader above it, which
+    abandons that seal once it reads the member's marker, and looks again as a stray that this group
+    takes in (:func:`_strays`). Two leaders that had sealed the last peers of the prefix's board around
+    one peer each used to commit the lower group as soon as its members confirmed, a read before the
+    higher one abandoned: that one was then the last live peer in no group (1,000 simulated peers, 0%
+    dying, seed 8). Bounded by ``commit_by``, as the wait for a silent member: a hostile leader that
+    keeps such a seal open costs this group what a silent member costs."""
+    target, me = config.target_group_size, state.declaration.member
+    if config.shard_depth or (target is not None and len(group.members) >= target):
+        return False
+    members = group.keys - {me.key}
+    left_out = {peer for peer, until in state.ignored if until > now} | state.reopened
+    return any(
+        other.group_id != group.group_id
+        and other.leader.key > me.key
+        and other.leader.peer_id not in left_out
+        and is_open(other, now, board)
+        and other.keys & members
+        for other in board.sealed.values()
+    )
 
 
 def _strays(
