@@ -492,6 +492,23 @@ def test_a_leader_on_the_prefix_board_waits_for_a_higher_seal_of_its_member_and_
     assert full.group == group and step(full, now, board, pair).group.size == 2
 
 
+def test_a_leader_takes_in_a_member_that_looks_again_under_a_new_attempt() -> None:
+    # Its group was sealed with the member's old attempt, which the member had left (it abandoned a
+    # group it led): the leader committed without it and left its new attempt out as a member, alone on
+    # the prefix's board (1,000 simulated peers, 0% dying, seed 12)
+    cfg = config()
+    leading = step(declared(0, ready_at=NOW), NOW, board_of(*(declaration(i, ready_at=NOW) for i in (1, 2))), cfg).state
+    group, now = leading.group, NOW + 0.05
+    again = declaration(2, attempt=1, ready_at=NOW)
+    markers = {member(1).key: group.group_id, member(2).key: None}
+    board = board_of(again, markers=markers, sealed={group.group_id: group})
+    result = step(leading, now, board, cfg)
+    assert result.group is None and isinstance(result.state, Leading)
+    assert result.state.group.members == (member(0), member(1), again.member)
+    # once: then it commits without it
+    assert step(result.state, now + 0.01, replace(board, sealed={}), cfg).state.group == result.state.group
+
+
 def test_a_peer_alone_below_an_open_groups_leader_does_not_take_the_group_over() -> None:
     # It sealed the group with itself (its leader gives way to a lower seal): a leader that lies to its
     # members then took every honest group over (test_matchmaking_dht, LyingDesk, 2 of 3 runs)

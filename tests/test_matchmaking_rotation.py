@@ -242,6 +242,10 @@ def test_a_shard_peer_does_not_fall_back_on_the_first_read_that_lost_its_planned
     lost = step(planned.state, 20.01, board_of(me), cfg)  # a read that lags behind the one before
     assert not lost.fall_back and isinstance(lost.state, Looking) and lost.state.waiting_on is None
     assert step(lost.state, 20.06, board_of(me), cfg).fall_back, "still alone on the next read: it falls back"
+    # not where the read shows the leader went elsewhere, or its declaration expired (a leader that died)
+    gone = board_of(me, markers={leader.member.key: None})
+    assert step(planned.state, 20.01, gone, cfg).fall_back
+    assert step(replace(planned.state, leader_until=20.005), 20.01, board_of(me), cfg).fall_back
 
 
 def test_full_groups_form_at_once_on_the_prefixs_board_of_a_sharded_swarm() -> None:

@@ -111,6 +111,7 @@ class Looking:
     shunned: Ignored = ()
     dead: Dead = ()  # members of a group this peer led that missed their refresh: see :func:`_forget_dead`
     reopened: frozenset[str] = frozenset()  # peers this peer abandoned a group it led for: see :func:`_strays`
+    leader_until: float = -math.inf  # when the planned leader's declaration expires, as last seen (_step_looking)
 
 
 @dataclass(frozen=True)
@@ -236,12 +237,20 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     if deputy:
         return _lead(state, me, deputy, now, config, start_at, direct)
     stranded = mine is None or deputy == ()  # planned only with overdue peers: as good as no group
-    # Not on the first read that shows no group where the read before planned one: a read may lag more
-    # than the one before and show less (reads go to different replicas). A peer that fell back on such a
-    # read left the leader that had just sealed it alone on the shard's board; that one fell back last,
-    # after the prefix's board had committed its groups: the last live peer in no group (1,000 simulated
-    # peers, 0% dying, seeds 9 and 20). The next read comes a poll later, so the lag has passed.
-    lost = mine is None and state.waiting_on is not None
+    # Not on a read that shows no record at all of the leader that the read before planned it with: a read
+    # may lag more than the one before and show less (reads go to different replicas). A peer that fell
+    # back on such a read left the leader that had just sealed it alone on the shard's board; that one
+    # fell back last, after the prefix's board had committed its groups: the last live peer in no group
+    # (1,000 simulated peers, 0% dying, seeds 9 and 20). The next read comes a poll later, when the lag
+    # has passed. Only then: a peer that waited on every read that lost its plan (its planned leader had
+    # gone elsewhere, or died and its declaration expired) came too late to the prefix's board itself
+    # (2% dying, seed 10).
+    lost = (
+        mine is None
+        and state.waiting_on is not None
+        and now < state.leader_until  # its declaration did not simply expire (a leader that died)
+        and _vanished(state.waiting_on[0], board)
+    )
     if stranded and config.shard_depth > 0 and (waited or now >= me.ready_at) and not lost:
         return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no full group here
     if mine is None or mine[0].member != me.member:
@@ -250,6 +259,14 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
         return Step(_waiting(state, me, mine, now, config), refresh, urgent=mine is not None or eager)
     return _lead(state, me, mine, now, config, start_at, direct)
+
+
+def _vanished(peer_id: str, board: Board) -> bool:
+    """Whether ``board`` shows no record of ``peer_id``: no declaration, marker, or seal it leads. A
+    live peer's records stay on the board while it looks or joins, and a dead one's until they
+    expire, so a read that shows none of them lags behind the read that did."""
+    keys = (*board.declarations, *board.markers)
+    return all(key[0] != peer_id for key in keys) and all(g.leader.peer_id != peer_id for g in board.sealed.values())
 
 
 def _my_plan(
@@ -325,6 +342,7 @@ def _waiting(
     if mine is None:
         return replace(state, declaration=me, waiting_on=None)
     leader = mine[0].member.peer_id
+    state = replace(state, leader_until=mine[0].expiration)
     if state.waiting_on is None or state.waiting_on[0] != leader:
         return replace(state, declaration=me, waiting_on=(leader, now))
     if now - state.waiting_on[1] > config.request_timeout:  # it should have sealed long ago
@@ -442,7 +460,10 @@ def _strays(
     ignored = {peer for peer, until in state.ignored if until > now}
     if isinstance(state, Looking) and ignored & members:
         return ()
-    left_out = ignored | members | state.reopened
+    # a member that looks again under a new attempt is a stray too: this group lists its old one, which
+    # never confirms (see _take_in)
+    moved = {d.member.peer_id for d in board.declarations.values() if d.member.key not in group.keys} & members
+    left_out = ignored | (members - moved) | state.reopened
     dead = dict(state.dead)
     overlay = {
         key: d
@@ -454,7 +475,7 @@ def _strays(
     looking = looking_peers(now, replace(board, declarations=overlay), config)
     if not looking or len(looking) >= config.min_group_size:
         return ()
-    if target is not None and len(members) + len(looking) > target:
+    if target is not None and len(members | {d.member.peer_id for d in looking}) > target:
         return ()
     return tuple(looking)
 
@@ -476,8 +497,13 @@ def _take_in(
     under a new attempt: abandoning the group and planning anew with the stray instead set off a
     cascade of abandoned groups (seed 4, 2% dying: 11.6 polls). A leader does it once per stray peer
     (:attr:`Looking.reopened`): a hostile peer that declares and never confirms costs a group that
-    once, and the request timeout that any silent member costs."""
-    members = tuple(sorted((*group.members, *(d.member for d in strays)), key=lambda m: m.key))
+    once, and the request timeout that any silent member costs. A member that looks again under a new
+    attempt (it abandoned a group it led while this one was sealed with its old attempt) is taken in
+    the same way, its new attempt in place of the old: left out as a member, it was left alone there
+    (1,000 simulated peers, 0% dying, seed 12)."""
+    again = {d.member.peer_id for d in strays}  # members that look again: their new attempt replaces the old
+    kept = (m for m in group.members if m.peer_id not in again)
+    members = tuple(sorted((*kept, *(d.member for d in strays)), key=lambda m: m.key))
     commit_by = min(group.commit_by, min(d.deadline for d in strays) - config.poll_interval)
     return SealedGroup(
         group_id_for(members), members, commit_by, group.start_at if group.start_at > now else -math.inf, direct
