@@ -518,6 +518,30 @@ def test_a_peer_alone_below_an_open_groups_leader_does_not_take_the_group_over()
     assert isinstance(result.state, Looking) and result.writes == ()
 
 
+def test_a_leader_on_the_prefix_board_abandons_its_group_for_a_peer_left_alone_below_it() -> None:
+    # The stray would lead any group that takes it in, which the leader's seal cannot make it: left alone,
+    # it was the last live peer in no group (1,000 simulated peers, 0% dying, seeds 15 and 17)
+    cfg = config()
+    leading = step(declared(1, ready_at=NOW), NOW, board_of(declaration(2, ready_at=NOW)), cfg).state
+    group, now = leading.group, NOW + 0.05
+    stray = declaration(0, ready_at=NOW, expiration=NOW + 0.9)  # declared a poll before, at least
+    board = board_of(stray, markers={member(2).key: group.group_id}, sealed={group.group_id: group})
+    result = step(leading, now, board, cfg)
+    assert result.group is None and isinstance(result.state, Looking)
+    assert result.state.declaration.member.attempt != member(1).attempt and peer(0) in result.state.reopened
+    # its member looks again, ignoring nobody; the three plan one group, led by the stray
+    after = board_after(*result.writes, board=board, now=now)
+    assert after.commits[group.group_id].members == (), "the group is abandoned"
+    member_step = step(Following(declaration(2), group), now + 0.01, after, cfg)
+    assert isinstance(member_step.state, Looking) and member_step.state.ignored == ()
+    # once per stray: then it commits; a stray it ignores is none
+    assert step(replace(leading, reopened=frozenset({peer(0)})), now, board, cfg).group.size == 2
+    assert step(replace(leading, ignored=((peer(0), now + 3.0),)), now, board, cfg).group.size == 2
+    # nor one that has just declared (it may be about to plan a group: a cascade of abandoned groups)
+    just = board_of(replace(stray, expiration=now + 1.0), markers=board.markers, sealed=board.sealed)
+    assert step(leading, now, just, cfg).group.size == 2
+
+
 def test_a_full_group_that_lost_only_a_dead_member_commits_before_its_scheduled_time() -> None:
     cfg = config()
     leading, _ = _sealed_by_leader(cfg)  # a full group of 4, sealed long before its scheduled time

@@ -400,6 +400,20 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
             writes,
             urgent=True,
         )
+    settled = all(d.expiration - config.request_timeout <= now - config.poll_interval for d in strays)
+    if members and strays and settled:
+        # A stray below me would be the leader of the group that takes it in, which no seal of mine can
+        # make it (a stray below that sealed the group with itself let a lying leader take every honest group
+        # over: LyingDesk), and left alone it was the last live peer in no group (1,000 simulated peers, 0%
+        # dying, seeds 15 and 17). So the group is abandoned, and its members plan again with the stray:
+        # once per stray peer (reopened), as a take-in; a stray this leader ignores (one that failed it) is
+        # no stray (_strays). Its members do not ignore me: they look again at once (_step_following). Only
+        # a stray that declared a poll ago at least: one that had just abandoned a group was about to plan
+        # one, and abandoning for it set off a cascade of abandoned groups (4 peers, one board, per-record
+        # lag: test_a_round_reads_no_records_of_the_rounds_before).
+        abandoned = commit_writes(group, (), now, config)
+        reopened = state.reopened | {d.member.peer_id for d in strays}
+        return _retry(state.declaration, now, config, abandoned, state.ignored, replace(state, reopened=reopened))
     commits = commit_writes(group, tuple(m.key for m in members), now, config)
     if not members:
         # whoever did not confirm is left out of my next plans (an honest one went to another group). Not
