@@ -177,13 +177,20 @@ def test_members_join_a_sealed_group_and_the_marker_outlives_their_declaration()
     assert marker.expiration_time > me.expiration
 
 
-def test_a_peer_offered_two_groups_joins_the_lowest_id() -> None:
+def test_a_peer_offered_two_groups_joins_the_lowest_leaders() -> None:
+    # then the lowest id. By id alone it joined the higher leader's seal, and the lower leader, which no
+    # open group takes in, was left in no group (1,000 simulated peers, 0% dying, seed 12)
     cfg = config(target_group_size=2, min_group_size=2)
-    me = declaration(5)
-    groups = [(member(1), me.member), (me.member, member(7))]
-    sealed = {group_id_for(g): _sealed(g) for g in groups}
+    me = declaration(3)
+    lower, higher = _sealed((member(0), me.member)), _sealed((me.member, member(4)))
+    assert higher.group_id < lower.group_id
+    sealed = {g.group_id: g for g in (lower, higher)}
     result = step(Looking(me), NOW, board_of(me, sealed=sealed), cfg)
-    assert result.state.group.group_id == min(sealed)
+    assert result.state.group == lower
+    same_leader = _sealed((member(0), me.member, member(4)))
+    sealed[same_leader.group_id] = same_leader
+    expected = min(lower, same_leader, key=lambda g: g.group_id)
+    assert step(Looking(me), NOW, board_of(me, sealed=sealed), cfg).state.group == expected
 
 
 def _sealed(members, commit_by: float = NOW + 1) -> SealedGroup:
@@ -452,6 +459,56 @@ def test_a_leader_on_the_prefix_board_takes_in_a_peer_left_alone_there() -> None
     assert step(full, now, board_of(late, markers=confirmed, sealed={full.group.group_id: full.group}), cfg).group
 
 
+def test_a_leader_on_the_prefix_board_waits_for_a_higher_seal_of_its_member_and_takes_that_leader_in() -> None:
+    # The last peers of the prefix's board: leaders 0 and 1 sealed peer 2 with each; peer 2 joined the
+    # lower one. Leader 0 committed as soon as peer 2 confirmed, a read before leader 1 abandoned its
+    # seal and looked again: leader 1 was the last live peer in no group (1,000 simulated peers, 0%
+    # dying, seed 8).
+    cfg = config()
+    leading = step(declared(0, ready_at=NOW), NOW, board_of(declaration(2, ready_at=NOW)), cfg).state
+    group, now = leading.group, NOW + 0.05
+    assert group.members == (member(0), member(2))
+    rival = _sealed((member(1), member(2)), commit_by=NOW + 1.0)
+    markers = {member(2).key: group.group_id, member(1).key: rival.group_id}
+    board = board_of(markers=markers, sealed={group.group_id: group, rival.group_id: rival})
+    waits = step(leading, now, board, cfg)
+    assert waits.group is None and waits.writes == () and waits.urgent and waits.state.group == group
+    # the rival seal abandoned, its leader looks again: taken in
+    again = declaration(1, attempt=1, ready_at=NOW)
+    abandoned = replace(board, commits={rival.group_id: Commit(rival.group_id, ())})
+    taken = step(waits.state, now + 0.01, replace(abandoned, declarations={again.member.key: again}), cfg)
+    assert isinstance(taken.state, Leading) and taken.state.group.members == (member(0), again.member, member(2))
+    # not for a rival it ignores, nor for one below it, nor where the group is full, nor past commit_by
+    ignoring = replace(leading, ignored=((peer(1), now + 3.0),))
+    assert step(ignoring, now, board, cfg).group.size == 2
+    below = step(declared(1, ready_at=NOW), NOW, board_of(declaration(2, ready_at=NOW)), cfg).state
+    lower = _sealed((member(0), member(2)), commit_by=NOW + 1.0)
+    mine = below.group
+    lower_board = board_of(markers={member(2).key: mine.group_id}, sealed={mine.group_id: mine, lower.group_id: lower})
+    assert step(below, now, lower_board, cfg).group.size == 2
+    assert step(leading, group.commit_by + 0.01, board, cfg).group is not None
+    pair = config(target_group_size=2)
+    full = step(declared(0, ready_at=NOW), NOW, board_of(declaration(2, ready_at=NOW)), pair).state
+    assert full.group == group and step(full, now, board, pair).group.size == 2
+
+
+def test_a_leader_takes_in_a_member_that_looks_again_under_a_new_attempt() -> None:
+    # Its group was sealed with the member's old attempt, which the member had left (it abandoned a
+    # group it led): the leader committed without it and left its new attempt out as a member, alone on
+    # the prefix's board (1,000 simulated peers, 0% dying, seed 12)
+    cfg = config()
+    leading = step(declared(0, ready_at=NOW), NOW, board_of(*(declaration(i, ready_at=NOW) for i in (1, 2))), cfg).state
+    group, now = leading.group, NOW + 0.05
+    again = declaration(2, attempt=1, ready_at=NOW)
+    markers = {member(1).key: group.group_id, member(2).key: None}
+    board = board_of(again, markers=markers, sealed={group.group_id: group})
+    result = step(leading, now, board, cfg)
+    assert result.group is None and isinstance(result.state, Leading)
+    assert result.state.group.members == (member(0), member(1), again.member)
+    # once: then it commits without it
+    assert step(result.state, now + 0.01, replace(board, sealed={}), cfg).state.group == result.state.group
+
+
 def test_a_peer_alone_below_an_open_groups_leader_does_not_take_the_group_over() -> None:
     # It sealed the group with itself (its leader gives way to a lower seal): a leader that lies to its
     # members then took every honest group over (test_matchmaking_dht, LyingDesk, 2 of 3 runs)
@@ -459,6 +516,30 @@ def test_a_peer_alone_below_an_open_groups_leader_does_not_take_the_group_over()
     group = SealedGroup(group_id_for((member(1), member(2))), (member(1), member(2)), NOW + 1.0)
     result = step(declared(0, ready_at=NOW), NOW, board_of(sealed={group.group_id: group}), cfg)
     assert isinstance(result.state, Looking) and result.writes == ()
+
+
+def test_a_leader_on_the_prefix_board_abandons_its_group_for_a_peer_left_alone_below_it() -> None:
+    # The stray would lead any group that takes it in, which the leader's seal cannot make it: left alone,
+    # it was the last live peer in no group (1,000 simulated peers, 0% dying, seeds 15 and 17)
+    cfg = config()
+    leading = step(declared(1, ready_at=NOW), NOW, board_of(declaration(2, ready_at=NOW)), cfg).state
+    group, now = leading.group, NOW + 0.05
+    stray = declaration(0, ready_at=NOW, expiration=NOW + 0.9)  # declared a poll before, at least
+    board = board_of(stray, markers={member(2).key: group.group_id}, sealed={group.group_id: group})
+    result = step(leading, now, board, cfg)
+    assert result.group is None and isinstance(result.state, Looking)
+    assert result.state.declaration.member.attempt != member(1).attempt and peer(0) in result.state.reopened
+    # its member looks again, ignoring nobody; the three plan one group, led by the stray
+    after = board_after(*result.writes, board=board, now=now)
+    assert after.commits[group.group_id].members == (), "the group is abandoned"
+    member_step = step(Following(declaration(2), group), now + 0.01, after, cfg)
+    assert isinstance(member_step.state, Looking) and member_step.state.ignored == ()
+    # once per stray: then it commits; a stray it ignores is none
+    assert step(replace(leading, reopened=frozenset({peer(0)})), now, board, cfg).group.size == 2
+    assert step(replace(leading, ignored=((peer(0), now + 3.0),)), now, board, cfg).group.size == 2
+    # nor one that has just declared (it may be about to plan a group: a cascade of abandoned groups)
+    just = board_of(replace(stray, expiration=now + 1.0), markers=board.markers, sealed=board.sealed)
+    assert step(leading, now, just, cfg).group.size == 2
 
 
 def test_a_full_group_that_lost_only_a_dead_member_commits_before_its_scheduled_time() -> None:

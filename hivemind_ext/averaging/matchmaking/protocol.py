@@ -111,6 +111,7 @@ class Looking:
     shunned: Ignored = ()
     dead: Dead = ()  # members of a group this peer led that missed their refresh: see :func:`_forget_dead`
     reopened: frozenset[str] = frozenset()  # peers this peer abandoned a group it led for: see :func:`_strays`
+    leader_until: float = -math.inf  # when the planned leader's declaration expires, as last seen (_step_looking)
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
     offers = _offers(me, now, board, config, state.shunned)
     if offers:
-        return _join(me, min(offers, key=lambda g: g.group_id), now, config, state)  # any fixed tie-break
+        return _join(me, min(offers, key=_lowest_leader), now, config, state)
     if me.expiration == -math.inf:
         # A new attempt only declares; it plans (and may seal) from its next step on. Sealing on its first
         # read, before anyone had seen it, took members out of groups planned without it (a lower leader's
@@ -236,7 +237,21 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
     if deputy:
         return _lead(state, me, deputy, now, config, start_at, direct)
     stranded = mine is None or deputy == ()  # planned only with overdue peers: as good as no group
-    if stranded and config.shard_depth > 0 and (waited or now >= me.ready_at):
+    # Not on a read that shows no record at all of the leader that the read before planned it with: a read
+    # may lag more than the one before and show less (reads go to different replicas). A peer that fell
+    # back on such a read left the leader that had just sealed it alone on the shard's board; that one
+    # fell back last, after the prefix's board had committed its groups: the last live peer in no group
+    # (1,000 simulated peers, 0% dying, seeds 9 and 20). The next read comes a poll later, when the lag
+    # has passed. Only then: a peer that waited on every read that lost its plan (its planned leader had
+    # gone elsewhere, or died and its declaration expired) came too late to the prefix's board itself
+    # (2% dying, seed 10).
+    lost = (
+        mine is None
+        and state.waiting_on is not None
+        and now < state.leader_until  # its declaration did not simply expire (a leader that died)
+        and _vanished(state.waiting_on[0], board)
+    )
+    if stranded and config.shard_depth > 0 and (waited or now >= me.ready_at) and not lost:
         return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no full group here
     if mine is None or mine[0].member != me.member:
         # In a planned group: its leader seals soon. Just started looking: peers that start at the same
@@ -244,6 +259,14 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
         return Step(_waiting(state, me, mine, now, config), refresh, urgent=mine is not None or eager)
     return _lead(state, me, mine, now, config, start_at, direct)
+
+
+def _vanished(peer_id: str, board: Board) -> bool:
+    """Whether ``board`` shows no record of ``peer_id``: no declaration, marker, or seal it leads. A
+    live peer's records stay on the board while it looks or joins, and a dead one's until they
+    expire, so a read that shows none of them lags behind the read that did."""
+    keys = (*board.declarations, *board.markers)
+    return all(key[0] != peer_id for key in keys) and all(g.leader.peer_id != peer_id for g in board.sealed.values())
 
 
 def _my_plan(
@@ -319,6 +342,7 @@ def _waiting(
     if mine is None:
         return replace(state, declaration=me, waiting_on=None)
     leader = mine[0].member.peer_id
+    state = replace(state, leader_until=mine[0].expiration)
     if state.waiting_on is None or state.waiting_on[0] != leader:
         return replace(state, declaration=me, waiting_on=(leader, now))
     if now - state.waiting_on[1] > config.request_timeout:  # it should have sealed long ago
@@ -354,7 +378,7 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
     # a member that another group dropped is on its way here too (see _dropped)
     waiting = any(
         m.key not in state.gone and (_coming(m, group, me, now, board) or _dropped(m, group, board)) for m in others
-    )
+    ) or _rivals(group, state, now, board, config)
     if waiting and now < group.commit_by:
         return Step(state, urgent=True)
     members = tuple(m for m in group.members if m.key in confirmed)
@@ -376,6 +400,20 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
             writes,
             urgent=True,
         )
+    settled = all(d.expiration - config.request_timeout <= now - config.poll_interval for d in strays)
+    if members and strays and settled:
+        # A stray below me would be the leader of the group that takes it in, which no seal of mine can
+        # make it (a stray below that sealed the group with itself let a lying leader take every honest group
+        # over: LyingDesk), and left alone it was the last live peer in no group (1,000 simulated peers, 0%
+        # dying, seeds 15 and 17). So the group is abandoned, and its members plan again with the stray:
+        # once per stray peer (reopened), as a take-in; a stray this leader ignores (one that failed it) is
+        # no stray (_strays). Its members do not ignore me: they look again at once (_step_following). Only
+        # a stray that declared a poll ago at least: one that had just abandoned a group was about to plan
+        # one, and abandoning for it set off a cascade of abandoned groups (4 peers, one board, per-record
+        # lag: test_a_round_reads_no_records_of_the_rounds_before).
+        abandoned = commit_writes(group, (), now, config)
+        reopened = state.reopened | {d.member.peer_id for d in strays}
+        return _retry(state.declaration, now, config, abandoned, state.ignored, replace(state, reopened=reopened))
     commits = commit_writes(group, tuple(m.key for m in members), now, config)
     if not members:
         # whoever did not confirm is left out of my next plans (an honest one went to another group). Not
@@ -391,6 +429,39 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
     return Step(state, commits, GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
 
 
+def _lowest_leader(group: SealedGroup) -> tuple[PeerKey, str]:
+    """Which of several open seals that list a looking peer it joins: the lowest leader's (then the
+    lowest group id). The leader it leaves is above the one it joins, so that one can take it in if it
+    ends alone (:func:`_rivals`); by group id alone, a member joined the higher of two leaders that
+    had sealed it, and the lower one, which no open group takes in, was the last live peer in no group
+    (1,000 simulated peers, 0% dying, seed 12)."""
+    return (group.leader.key, group.group_id)
+
+
+def _rivals(group: SealedGroup, state: Leading, now: float, board: Board, config: MatchmakingConfig) -> bool:
+    """Whether the leader of ``group``, open on the prefix's board with room, waits before it commits
+    for the leader of another open seal that lists one of its members: a leader above it, which
+    abandons that seal once it reads the member's marker, and looks again as a stray that this group
+    takes in (:func:`_strays`). Two leaders that had sealed the last peers of the prefix's board around
+    one peer each used to commit the lower group as soon as its members confirmed, a read before the
+    higher one abandoned: that one was then the last live peer in no group (1,000 simulated peers, 0%
+    dying, seed 8). Bounded by ``commit_by``, as the wait for a silent member: a hostile leader that
+    keeps such a seal open costs this group what a silent member costs."""
+    target, me = config.target_group_size, state.declaration.member
+    if config.shard_depth or (target is not None and len(group.members) >= target):
+        return False
+    members = group.keys - {me.key}
+    left_out = {peer for peer, until in state.ignored if until > now} | state.reopened
+    return any(
+        other.group_id != group.group_id
+        and other.leader.key > me.key
+        and other.leader.peer_id not in left_out
+        and is_open(other, now, board)
+        and other.keys & members
+        for other in board.sealed.values()
+    )
+
+
 def _strays(
     group: SealedGroup, state: Looking | Leading, me: Declaration, now: float, board: Board, config: MatchmakingConfig
 ) -> tuple[Declaration, ...]:
@@ -403,7 +474,10 @@ def _strays(
     ignored = {peer for peer, until in state.ignored if until > now}
     if isinstance(state, Looking) and ignored & members:
         return ()
-    left_out = ignored | members | state.reopened
+    # a member that looks again under a new attempt is a stray too: this group lists its old one, which
+    # never confirms (see _take_in)
+    moved = {d.member.peer_id for d in board.declarations.values() if d.member.key not in group.keys} & members
+    left_out = ignored | (members - moved) | state.reopened
     dead = dict(state.dead)
     overlay = {
         key: d
@@ -415,7 +489,7 @@ def _strays(
     looking = looking_peers(now, replace(board, declarations=overlay), config)
     if not looking or len(looking) >= config.min_group_size:
         return ()
-    if target is not None and len(members) + len(looking) > target:
+    if target is not None and len(members | {d.member.peer_id for d in looking}) > target:
         return ()
     return tuple(looking)
 
@@ -437,8 +511,13 @@ def _take_in(
     under a new attempt: abandoning the group and planning anew with the stray instead set off a
     cascade of abandoned groups (seed 4, 2% dying: 11.6 polls). A leader does it once per stray peer
     (:attr:`Looking.reopened`): a hostile peer that declares and never confirms costs a group that
-    once, and the request timeout that any silent member costs."""
-    members = tuple(sorted((*group.members, *(d.member for d in strays)), key=lambda m: m.key))
+    once, and the request timeout that any silent member costs. A member that looks again under a new
+    attempt (it abandoned a group it led while this one was sealed with its old attempt) is taken in
+    the same way, its new attempt in place of the old: left out as a member, it was left alone there
+    (1,000 simulated peers, 0% dying, seed 12)."""
+    again = {d.member.peer_id for d in strays}  # members that look again: their new attempt replaces the old
+    kept = (m for m in group.members if m.peer_id not in again)
+    members = tuple(sorted((*kept, *(d.member for d in strays)), key=lambda m: m.key))
     commit_by = min(group.commit_by, min(d.deadline for d in strays) - config.poll_interval)
     return SealedGroup(
         group_id_for(members), members, commit_by, group.start_at if group.start_at > now else -math.inf, direct
