@@ -22,6 +22,7 @@ import hivemind
 import lightning.pytorch as pl
 import pytest
 import torch
+from fake_dht import StuckDHT
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from swarm import LOOPBACK, addresses, new_peer, wait_for, wait_until_connected
@@ -288,37 +289,11 @@ def test_settings_that_would_step_twice_or_zero_the_accumulator_are_refused() ->
     assert strategy.dht is None  # no swarm was joined
 
 
-class _HungDHT:
-    """Stands for ``hivemind.DHT``: its start never completes (a daemon or bootstrap that hangs). A wait
-    without a deadline fails the test after 5 s instead of hanging it."""
-
-    made: list[_HungDHT] = []
-
-    def __init__(self, initial_peers=None, *, start: bool, **kwargs) -> None:
-        self.stopped = False
-        _HungDHT.made.append(self)
-        if start:
-            self.wait_until_ready(None)
-
-    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
-        if await_ready:
-            self.wait_until_ready(timeout)
-
-    def wait_until_ready(self, timeout: float | None = None) -> None:
-        time.sleep(5.0 if timeout is None else min(timeout, 5.0))
-        if timeout is None:
-            raise AssertionError("waited for the DHT to start without a deadline")
-        raise TimeoutError
-
-    def shutdown(self) -> None:
-        self.stopped = True
-
-
 @pytest.mark.timeout(60)
 def test_a_dht_that_never_starts_fails_fit_after_its_deadline_and_is_stopped(monkeypatch) -> None:
     """Before, the strategy called ``hivemind.DHT(start=True)``, which waits for ever on a hung bootstrap."""
-    monkeypatch.setattr(hivemind, "DHT", _HungDHT)
-    _HungDHT.made.clear()
+    monkeypatch.setattr(hivemind, "DHT", StuckDHT)
+    StuckDHT.made.clear()
     with pytest.raises(ConfigurationError, match="timeout"):
         HivemindExtStrategy(run_id="r", target_batch_size=64, dht_start_timeout=0)
     strategy = HivemindExtStrategy(run_id=run_id("hung"), target_batch_size=64, dht_start_timeout=0.5)
@@ -327,7 +302,7 @@ def test_a_dht_that_never_starts_fails_fit_after_its_deadline_and_is_stopped(mon
     with pytest.raises(DeadlineExceededError, match=r"did not start within 0\.5 s"):
         quiet_fit(trainer(max_epochs=1, strategy=strategy), DigitsClassifier(), loader(train, 32))
     assert time.monotonic() - started < 30
-    assert len(_HungDHT.made) == 1 and _HungDHT.made[0].stopped  # the half-started DHT is shut down
+    assert [dht.shut_down for dht in StuckDHT.made] == [True]  # the half-started DHT is shut down
     assert strategy.dht is None
 
 
