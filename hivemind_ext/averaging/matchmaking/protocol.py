@@ -210,7 +210,7 @@ def next_attempt(attempt: str) -> str:
 
 def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingConfig, direct: bool) -> Step:
     me = state.declaration
-    ignored = {peer for peer, until in state.ignored if until > now}
+    ignored = _current(state.ignored, now)
     # A group sealed for me wins over my own plan: joining it is what keeps views from diverging.
     offers = _offers(me, now, board, config, state.shunned)
     if offers:
@@ -259,6 +259,11 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
         return Step(_waiting(state, me, mine, now, config), refresh, urgent=mine is not None or eager)
     return _lead(state, me, mine, now, config, start_at, direct)
+
+
+def _current(entries: Ignored, now: float) -> set[str]:
+    """The peer ids of ``entries`` (``ignored`` or ``shunned``: peer id, until when) still in force at ``now``."""
+    return {peer for peer, until in entries if until > now}
 
 
 def _vanished(peer_id: str, board: Board) -> bool:
@@ -451,7 +456,7 @@ def _rivals(group: SealedGroup, state: Leading, now: float, board: Board, config
     if config.shard_depth or (target is not None and len(group.members) >= target):
         return False
     members = group.keys - {me.key}
-    left_out = {peer for peer, until in state.ignored if until > now} | state.reopened
+    left_out = _current(state.ignored, now) | state.reopened
     return any(
         other.group_id != group.group_id
         and other.leader.key > me.key
@@ -471,7 +476,7 @@ def _strays(
     target, members = config.target_group_size, {m.peer_id for m in group.members}
     if config.shard_depth or not is_open(group, now, board) or (target is not None and len(members) >= target):
         return ()
-    ignored = {peer for peer, until in state.ignored if until > now}
+    ignored = _current(state.ignored, now)
     if isinstance(state, Looking) and ignored & members:
         return ()
     # a member that looks again under a new attempt is a stray too: this group lists its old one, which
@@ -561,7 +566,7 @@ def _offers(
     """The open sealed groups that list this attempt of mine (other than ``mine``), sealed by a leader
     this peer does not shun (see :class:`Looking`: one that left this peer waiting, or whose direct
     answer was a lie, would otherwise hold it again with every new seal), and :func:`.group.plausible`."""
-    left_out = {peer for peer, until in shunned if until > now}
+    left_out = _current(shunned, now)
     sealed = (g for g in board.sealed.values() if g.group_id != mine and g.leader.peer_id not in left_out)
     return [g for g in sealed if me.member.key in g.keys and is_open(g, now, board) and plausible(g, me, now, config)]
 
