@@ -13,6 +13,7 @@ import pytest
 import torch
 from allreduce_swarm import Swarm, check_round, config, flat, group_of, make_tensors, run_round, swarm_fixtures
 
+from hivemind_ext.averaging.allreduce import sender
 from hivemind_ext.averaging.allreduce.service import AllreduceConfig, AllreduceResult, RoundHooks
 from hivemind_ext.averaging.allreduce.wire import HANDLER_NAME, PROTOCOL_VERSION
 from hivemind_ext.compression import (
@@ -93,6 +94,56 @@ def test_owner_streams_each_averaged_chunk_back_before_its_part_is_complete(swar
     last_in = timeline.received[slow, 7]
     assert timeline.sent[slow, 0] < last_in - 0.3  # the first averaged chunk went out well before
     assert timeline.sent[slow, 6] < last_in < timeline.sent[slow, 7]
+
+
+class SendTimes(RoundHooks):
+    """Sender side: when it sent each chunk of its slice of part 0, and, with ``delay``, a pause before each."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.sent: dict[int, float] = {}
+
+    async def before_send_chunk(self, owner, part: int, index: int, message: Message) -> Message:
+        if part == 0:
+            await asyncio.sleep(self.delay)
+            self.sent[index] = asyncio.get_running_loop().time()
+        return message
+
+
+def test_a_fast_sender_stays_a_few_chunks_ahead_of_the_averages(swarm: Swarm) -> None:
+    # peer 2 sends its slice of part 0 slowly; peer 1 could send its own at once, but the owner
+    # averages chunk i only once both have delivered it, so peer 1 runs at most MAX_LEAD_CHUNKS chunks
+    # ahead of the averages it got back (on shaped links, racing ahead takes link time from the others)
+    peers = swarm.peers[:3]
+    inputs = inputs_for(3, shapes=[(7200,)], seed=60)
+    cfg = config(part_size_bytes=400)  # parts of 2400 values: 24 chunks each
+    owner, fast, slow = Timeline(), SendTimes(), SendTimes(delay=0.02)
+    outcomes = swarm.run(
+        run_round(peers, group_of([p.member() for p in peers]), inputs, config=cfg, hooks={0: owner, 1: fast, 2: slow})
+    )
+    check_round(peers, inputs, [1.0] * 3, outcomes, honest=range(3))
+    assert all(o.result.complete for o in outcomes)
+    name, lead = str(peers[1].peer_id), sender.MAX_LEAD_CHUNKS
+    assert sorted(fast.sent) == list(range(24)) and 24 > lead + 4
+    for index in range(lead, 24):  # chunk i left only after average i - lead had gone back to it
+        assert fast.sent[index] >= owner.sent[name, index - lead]
+    assert fast.sent[23] - fast.sent[0] > 0.02 * (23 - lead)  # so it kept to the slow sender's pace
+
+
+def test_pacing_gives_way_to_a_sender_slower_than_half_the_idle_window(swarm: Swarm) -> None:
+    # no average comes back for 0.8 s (half the idle window is 0.5 s): the fast sender stops pacing
+    # and delivers its whole slice, as it did before pacing existed, and nobody is cut
+    peers = swarm.peers[:3]
+    inputs = inputs_for(3, shapes=[(7200,)], seed=61)
+    cfg = config(part_size_bytes=400, next_chunk_timeout=1.0)
+    owner, fast, slow = Timeline(), SendTimes(), SlowLastChunk(last=0, delay=0.8)
+    outcomes = swarm.run(
+        run_round(peers, group_of([p.member() for p in peers]), inputs, config=cfg, hooks={0: owner, 1: fast, 2: slow})
+    )
+    check_round(peers, inputs, [1.0] * 3, outcomes, honest=range(3))
+    assert all(o.result.complete and not o.result.excluded for o in outcomes)
+    assert fast.sent[23] - fast.sent[0] < 0.75  # after one wait given up (0.5 s), the rest went out at once
+    assert fast.sent[23] < owner.received[str(peers[2].peer_id), 0]
 
 
 def test_declared_thin_links_make_chunks_smaller_and_the_mean_stays_exact(swarm: Swarm) -> None:

@@ -3,6 +3,7 @@ explicit chunk bounds and late weights, the fast finiteness check, and each chun
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 
@@ -282,3 +283,33 @@ def test_float16_chunks_of_float32_and_float64_tensors_travel_as_float16_or_minm
     assert isinstance(chunk_codec(by_size, f32), Float16OrMinMax16)
     for codec in (NoCompression(), BFloat16Compression(), MinMaxUInt8(), ErrorFeedback(Float16Compression())):
         assert chunk_codec(codec, f32) is codec
+
+
+def test_lead_holds_a_sender_until_the_averages_catch_up_and_gives_up_on_a_stall() -> None:
+    from hivemind_ext.averaging.allreduce.sender import Lead
+    from hivemind_ext.p2p import now
+
+    async def scenario() -> None:
+        lead = Lead(limit=2, give_up_after=10.0, until=now() + 10.0)
+        await lead.wait_to_send(0)
+        await lead.wait_to_send(1)  # two chunks ahead of no average: allowed
+        held = asyncio.ensure_future(lead.wait_to_send(2))
+        await asyncio.sleep(0.05)
+        assert not held.done()  # a third would run ahead of the limit
+        lead.averaged()
+        await asyncio.wait_for(held, 1.0)
+        assert lead.paced
+
+        stalled = Lead(limit=1, give_up_after=0.1, until=now() + 10.0)
+        start = now()
+        await stalled.wait_to_send(1)  # no average comes: the wait ends after give_up_after
+        assert 0.09 <= now() - start < 1.0 and not stalled.paced
+        start = now()
+        await stalled.wait_to_send(5)  # and pacing is over for good
+        assert now() - start < 0.05
+
+        late = Lead(limit=1, give_up_after=10.0, until=now() - 1.0)
+        await asyncio.wait_for(late.wait_to_send(3), 0.05)  # past `until`: no pacing at all
+        assert not late.paced
+
+    asyncio.run(scenario())

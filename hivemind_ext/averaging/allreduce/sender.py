@@ -12,6 +12,19 @@ The averaged chunks depend on the part's slowest sender, so only the round's dea
 wait for each of them. Each one says whose values are in it; the part's contributors are the
 senders in every chunk.
 
+A sender also stays at most :data:`MAX_LEAD_CHUNKS` chunks ahead of the averages its owner has sent
+back (:class:`Lead`). Running further ahead gains nothing: the owner averages chunk i only once its
+slowest sender has delivered it. It costs link time where links differ in load: measured on the
+``nat`` case of ``benchmarks/wan.py`` (3 public peers and a client-mode peer that owns no part, all
+at 100 Mbit/s), the client, which has half the others' bytes to send, sent its whole slice in the
+first 1.4 s of a 2.7 s round, taking a third of every owner's downlink, so the owners' slices to each
+other (and so every average) came in slower and the owners' uplinks ran at ~80% for that half of the
+round and their downlinks at ~80% for the other. The pacing is only an optimization, never a wait
+that changes who is averaged: each wait for an average ends after half the idle window (an owner cuts
+a stream that moves nothing for the whole window) and pacing stops for good then, and it stops at
+half-way to the collect deadline (where an owner averages whatever has arrived, so a paced sender
+must have delivered by then whatever an unpaced one would have).
+
 Whatever goes wrong with the owner (it is unreachable, refuses, stalls, breaks the protocol or
 sends an invalid average), the part keeps this member's own values and the outcome says so.
 """
@@ -45,12 +58,53 @@ from hivemind_ext.compression import (
     decompress,
     decompress_into,
 )
-from hivemind_ext.errors import AllreduceError, CompressionError, HivemindExtError, ProtocolError
-from hivemind_ext.p2p import ClientStream, Message, RPCClient, TaskOwner, now
+from hivemind_ext.errors import (
+    AllreduceError,
+    CompressionError,
+    DeadlineExceededError,
+    HivemindExtError,
+    ProtocolError,
+)
+from hivemind_ext.p2p import ClientStream, Message, RPCClient, TaskOwner, now, wait_until
 
 logger = logging.getLogger(__name__)
 
 READ_ONLY_CODECS = (NoCompression, Float16Compression, Float16OrMinMax16, BFloat16Compression)
+# How many chunks a sender may send beyond the averages it has received back from the owner (see the
+# module docstring). It must cover the chunks in flight between a sender's write and its average's
+# arrival (buffers, the owner's wait for its other senders, the average's way back), or the sender
+# would idle on a link it could fill.
+MAX_LEAD_CHUNKS = 4
+
+
+class Lead:
+    """How far one sender's chunks run ahead of the averages its owner has sent back: the sending
+    task waits in :meth:`wait_to_send` until chunk ``index`` is at most ``limit`` chunks ahead; the
+    receiving task counts each average with :meth:`averaged`. Each wait ends at ``give_up_after``
+    seconds or at ``until`` (loop time), whichever is first; after the first wait that ends so,
+    the lead is no longer limited."""
+
+    def __init__(self, limit: int, give_up_after: float, until: float) -> None:
+        self.limit, self.give_up_after, self.until = limit, give_up_after, until
+        self.received = 0
+        self.paced = True
+        self._changed = asyncio.Event()
+
+    def averaged(self) -> None:
+        self.received += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_to_send(self, index: int) -> None:
+        while self.paced and index - self.received >= self.limit:
+            deadline = min(now() + self.give_up_after, self.until)
+            if deadline <= now():
+                self.paced = False
+                return
+            try:
+                await wait_until(self._changed.wait(), deadline, "waiting for the owner's averages")
+            except DeadlineExceededError:
+                self.paced = False
 
 
 async def exchange_with_owner(context: RoundContext, client: RPCClient, owner: int) -> PartOutcome:
@@ -77,10 +131,11 @@ async def _exchange(
     stream = await client.open_stream(
         peer, HANDLER_NAME, deadline=context.deadline, limits=context.limits, direct=direct
     )
+    lead = Lead(MAX_LEAD_CHUNKS, context.idle_timeout / 2, _pacing_until(context))
     async with stream, TaskOwner(f"allreduce: sending part {owner} to {peer}") as tasks:
-        sending = tasks.spawn(_send_slice(context, stream, owner), report_errors=False)
+        sending = tasks.spawn(_send_slice(context, stream, owner, lead), report_errors=False)
         try:
-            contributors = await _receive_average(context, stream, owner)
+            contributors = await _receive_average(context, stream, owner, lead)
         except HivemindExtError as e:
             failure = _failure_of(sending)
             if failure is not None and failure is not e:
@@ -91,14 +146,20 @@ async def _exchange(
         return contributors
 
 
+def _pacing_until(context: RoundContext) -> float:
+    """Senders stop pacing half-way to the collect deadline (see the module docstring)."""
+    return context.started + (context.collect_deadline - context.started) / 2
+
+
 def _failure_of(task: asyncio.Task[None]) -> BaseException | None:
     if not task.done() or task.cancelled():
         return None
     return task.exception()
 
 
-async def _send_slice(context: RoundContext, stream: ClientStream, owner: int) -> None:
-    """JOIN, then every chunk of this member's slice of the part, then END."""
+async def _send_slice(context: RoundContext, stream: ClientStream, owner: int, lead: Lead | None = None) -> None:
+    """JOIN, then every chunk of this member's slice of the part (each at most ``lead.limit`` chunks
+    ahead of the averages received), then END."""
     layout = _layout(context)
     peer, part, hooks = context.peers[owner], layout.parts[owner], context.hooks
     upcoming: asyncio.Future[CompressedTensor] | None = None
@@ -111,6 +172,8 @@ async def _send_slice(context: RoundContext, stream: ClientStream, owner: int) -
             compressed = await upcoming  # type: ignore[misc]
             # start the next chunk's compression (in a worker thread if offloaded) before writing this one
             upcoming = _compress(context, chunks[index + 1]) if index + 1 < len(chunks) else None
+            if lead is not None:
+                await lead.wait_to_send(index)
             message = await hooks.before_send_chunk(peer, owner, index, chunk_message(compressed, index))
             await _send(context, stream, message)
         await stream.end(deadline=context.deadline, idle_timeout=context.idle_timeout)
@@ -140,7 +203,7 @@ async def _send(context: RoundContext, stream: ClientStream, message: Message) -
 
 
 async def _receive_average(
-    context: RoundContext, stream: ClientStream, owner: int
+    context: RoundContext, stream: ClientStream, owner: int, lead: Lead | None = None
 ) -> tuple[tuple[PeerID, ...], list[tuple[PeerID, ...]]]:
     """Reads RESULT and the averaged chunks, decoding each into the outputs in a worker thread
     while the next one arrives; returns the contributors RESULT names and those of each chunk."""
@@ -162,6 +225,8 @@ async def _receive_average(
             if me not in present:  # an owner that leaves a sender out refuses it instead
                 raise ProtocolError(f"averaged chunk {index} leaves out this member, which delivered it")
             chunks.append(present)
+            if lead is not None:
+                lead.averaged()
             decoding.append(context.runner.submit(_decode_into_output, context, chunk, compressed))
         for job in decoding:
             await job
