@@ -14,16 +14,16 @@ senders in every chunk.
 
 A sender also stays at most :data:`MAX_LEAD_CHUNKS` chunks ahead of the averages its owner has sent
 back (:class:`Lead`). Running further ahead gains nothing: the owner averages chunk i only once its
-slowest sender has delivered it. It costs link time where links differ in load: measured on the
+slowest sender has delivered it. It costs link time wherever a link is shared: measured on the
 ``nat`` case of ``benchmarks/wan.py`` (3 public peers and a client-mode peer that owns no part, all
-at 100 Mbit/s), the client, which has half the others' bytes to send, sent its whole slice in the
+at 100 Mbit/s), the client, which has 16.8 MB to send against the owners' 28, sent its whole slice in the
 first 1.4 s of a 2.7 s round, taking a third of every owner's downlink, so the owners' slices to each
 other (and so every average) came in slower and the owners' uplinks ran at ~80% for that half of the
 round and their downlinks at ~80% for the other. The pacing is only an optimization, never a wait
 that changes who is averaged: each wait for an average ends after half the idle window (an owner cuts
 a stream that moves nothing for the whole window) and pacing stops for good then, and it stops at
-half-way to the collect deadline (where an owner averages whatever has arrived, so a paced sender
-must have delivered by then whatever an unpaced one would have).
+half-way to the collect deadline (where an owner averages whatever has arrived), leaving a sender
+held back by a slow one the other half to deliver the rest.
 
 Whatever goes wrong with the owner (it is unreachable, refuses, stalls, breaks the protocol or
 sends an invalid average), the part keeps this member's own values and the outcome says so.
@@ -73,7 +73,12 @@ READ_ONLY_CODECS = (NoCompression, Float16Compression, Float16OrMinMax16, BFloat
 # How many chunks a sender may send beyond the averages it has received back from the owner (see the
 # module docstring). It must cover the chunks in flight between a sender's write and its average's
 # arrival (buffers, the owner's wait for its other senders, the average's way back), or the sender
-# would idle on a link it could fill.
+# would idle on a link it could fill. Measured on benchmarks/wan.py's nat:none (16 MiB per peer,
+# 128-192 KiB chunks, 43 per part; alternating runs of 3 rounds, load ~2): medians 1.21-1.26x of
+# t_opt unpaced, 1.18-1.20x at 8 chunks, 1.16-1.19x at 6, 1.12-1.17x at 4, 1.12-1.18x at 3, and at 2
+# (2.48-2.77 s rounds) the owners' links idle waiting for chunks. With 4, 20:8bit (64 KiB chunks)
+# went from 1.27-1.30x to 1.11-1.13x and hetero:none from 1.17-1.19x to 1.10x; 100:none (1.13-1.15x)
+# and loopback rounds (2 MiB chunks, 8 per part) did not change beyond the noise.
 MAX_LEAD_CHUNKS = 4
 
 
