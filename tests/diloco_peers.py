@@ -113,7 +113,6 @@ class FailOneRound(RoundHooks):
             raise TimeoutError("injected: the round did not finish before its deadline")
 
 
-
 class LateJoinSwarm:
     """``len(dhts) - 1`` peers that train from the start (seed 0) and a last one (other initial
     parameters, seed 1) that joins once the others are far enough: its worker calls :meth:`join`.

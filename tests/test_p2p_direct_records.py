@@ -273,7 +273,7 @@ class Sealed:
 async def test_records_carry_bytes_exactly_across_record_and_read_boundaries() -> None:
     data = os.urandom(2 * MAX_RECORD_BYTES + 12345)
     async with Sealed() as connection:
-        for piece in (data[:10], data[10:MAX_RECORD_BYTES + 7], data[MAX_RECORD_BYTES + 7 :]):
+        for piece in (data[:10], data[10 : MAX_RECORD_BYTES + 7], data[MAX_RECORD_BYTES + 7 :]):
             for start in range(0, len(piece), MAX_RECORD_BYTES):
                 connection.writer.write(connection.sealer.seal(piece[start : start + MAX_RECORD_BYTES]))
         received = bytearray(len(data))

@@ -357,9 +357,7 @@ def decompress_into(message: CompressedTensor, out: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _checked_payload(
-    message: CompressedTensor, device: torch.device | str | None
-) -> tuple[type[Codec], torch.Tensor]:
+def _checked_payload(message: CompressedTensor, device: torch.device | str | None) -> tuple[type[Codec], torch.Tensor]:
     """The message's codec class and its payload on ``device``, once its params and size are valid."""
     if not isinstance(message, CompressedTensor):
         raise CompressionError(f"expected a CompressedTensor, got {type(message).__name__}")
