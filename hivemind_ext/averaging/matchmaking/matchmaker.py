@@ -373,6 +373,8 @@ class Matchmaker:
                         continue
                     if result.group is not None:
                         await self._finish(state, result.writes, result.group, declaration.deadline)
+                        if self.confirmations is not None and isinstance(state, Leading) and state.group.direct:
+                            await self.confirmations.let_answers_out(state.group.group_id)
                         await asyncio.sleep(max(0.0, min(result.start_at, declaration.deadline) - get_dht_time()))
                         return result.group
                     if _joined_direct_group(previous, state):
