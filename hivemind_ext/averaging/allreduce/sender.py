@@ -162,7 +162,7 @@ def _failure_of(task: asyncio.Task[None]) -> BaseException | None:
     return task.exception()
 
 
-async def _send_slice(context: RoundContext, stream: ClientStream, owner: int, lead: Lead | None = None) -> None:
+async def _send_slice(context: RoundContext, stream: ClientStream, owner: int, lead: Lead) -> None:
     """JOIN, then every chunk of this member's slice of the part (each at most ``lead.limit`` chunks
     ahead of the averages received), then END."""
     layout = _layout(context)
@@ -177,8 +177,7 @@ async def _send_slice(context: RoundContext, stream: ClientStream, owner: int, l
             compressed = await upcoming  # type: ignore[misc]
             # start the next chunk's compression (in a worker thread if offloaded) before writing this one
             upcoming = _compress(context, chunks[index + 1]) if index + 1 < len(chunks) else None
-            if lead is not None:
-                await lead.wait_to_send(index)
+            await lead.wait_to_send(index)
             message = await hooks.before_send_chunk(peer, owner, index, chunk_message(compressed, index))
             await _send(context, stream, message)
         await stream.end(deadline=context.deadline, idle_timeout=context.idle_timeout)
@@ -208,7 +207,7 @@ async def _send(context: RoundContext, stream: ClientStream, message: Message) -
 
 
 async def _receive_average(
-    context: RoundContext, stream: ClientStream, owner: int, lead: Lead | None = None
+    context: RoundContext, stream: ClientStream, owner: int, lead: Lead
 ) -> tuple[tuple[PeerID, ...], list[tuple[PeerID, ...]]]:
     """Reads RESULT and the averaged chunks, decoding each into the outputs in a worker thread
     while the next one arrives; returns the contributors RESULT names and those of each chunk."""
@@ -230,8 +229,7 @@ async def _receive_average(
             if me not in present:  # an owner that leaves a sender out refuses it instead
                 raise ProtocolError(f"averaged chunk {index} leaves out this member, which delivered it")
             chunks.append(present)
-            if lead is not None:
-                lead.averaged()
+            lead.averaged()
             decoding.append(context.runner.submit(_decode_into_output, context, chunk, compressed))
         for job in decoding:
             await job

@@ -373,8 +373,6 @@ class Matchmaker:
                         continue
                     if result.group is not None:
                         await self._finish(state, result.writes, result.group, declaration.deadline)
-                        if self.confirmations is not None and isinstance(state, Leading) and state.group.direct:
-                            await self.confirmations.let_answers_out(state.group.group_id)
                         await asyncio.sleep(max(0.0, min(result.start_at, declaration.deadline) - get_dht_time()))
                         return result.group
                     if _joined_direct_group(previous, state):
@@ -475,10 +473,13 @@ class Matchmaker:
 
     async def _finish(self, state: State, writes: tuple[Write, ...], group: GroupInfo, deadline: float) -> None:
         """A leader's last step: its members have the commit of a direct group already (stored
-        without waiting, for the others' plans); a board group's commit must land first."""
+        without waiting, for the others' plans; their answers leave before the caller's round starts,
+        see :meth:`.Confirmations.let_answers_out`); a board group's commit must land first."""
         if isinstance(state, Leading) and state.group.direct:
             for write in writes:
                 self._store_nowait(write, self._key)
+            if self.confirmations is not None:
+                await self.confirmations.let_answers_out(state.group.group_id)
         elif writes and not await self.commit(writes, group, deadline):
             # members would never read the commit; withdrawing abandons it
             raise MatchmakingError("the group's commit could not be stored in the DHT")
