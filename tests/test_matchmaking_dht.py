@@ -456,6 +456,40 @@ def test_members_confirm_with_their_leader_by_one_call(swarm, network) -> None:
     assert elapsed < 2.0
 
 
+@pytest.mark.timeout(60)
+def test_a_direct_group_stores_its_records_on_the_nearest_replicas_only(swarm, network) -> None:
+    """The members' markers and the leader's commit of a direct group are stored without waiting, just
+    as the round's all-reduce starts. They used to go through ``dht.store``, whose search (hivemind's
+    beam of 20) visits every node of a small swarm and validates the whole board each one answers
+    with: in benchmarks/scale.py that work took the CPU the all-reduce needed. Every matchmaking store
+    now searches only the ``num_replicas`` nearest nodes (``_store_then_read``, run in the DHT)."""
+    indices, name = (0, 1, 2, 3), prefix()
+    dhts = {i: FaultyDHT(swarm[i]) for i in indices}
+
+    async def scenario():
+        scopes, desks = await _desks(network, indices, {})
+        try:
+            matchmakers = [
+                Matchmaker(
+                    matchmaker(swarm, i, name).config,
+                    dht=dhts[i],
+                    signing_key=default_signing_key(swarm[i]),
+                    confirmations=desk,
+                )
+                for i, desk in zip(indices, desks, strict=True)
+            ]
+            return await look(matchmakers, timeout=20)
+        finally:
+            for scope in scopes:
+                await scope.shutdown()
+
+    (group,) = groups_of(network.run(scenario())).values()
+    assert len(group.members) == 4
+    calls = {i: dht.calls for i, dht in dhts.items()}
+    assert all("store" not in made and "get" not in made for made in calls.values()), calls
+    assert all("run_coroutine" in made for made in calls.values())
+
+
 class SlowPolls(FaultyDHT):
     """A DHT whose board reads that store nothing (a matchmaker's polls) answer only after ``delay``."""
 

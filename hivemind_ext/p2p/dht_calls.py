@@ -113,6 +113,12 @@ class DHTCalls:
         name = getattr(coro, "__name__", None) or getattr(getattr(coro, "func", None), "__name__", "a coroutine")
         return await self._call(lambda: self.dht.run_coroutine(coro, return_future=True), timeout, deadline, name)
 
+    def run_coroutine_nowait(self, coro: Callable[..., Awaitable[Any]]) -> None:
+        """Hands ``coro(dht, node)`` to the DHT process and does not wait for it (best-effort writes
+        that nobody waits for). Raises :class:`ClosedError` if the DHT refused it."""
+        name = getattr(coro, "__name__", None) or getattr(getattr(coro, "func", None), "__name__", "a coroutine")
+        self._send(lambda: self.dht.run_coroutine(coro, return_future=True), name)
+
     def store_nowait(self, key: Any, value: Any, expiration_time: float, *, subkey: Any = None) -> None:
         """Hands a store to the DHT and does not wait for its answer (best-effort withdrawals at
         shutdown, where nobody is left to wait). Raises :class:`ClosedError` if the DHT refused it."""
