@@ -110,7 +110,7 @@ class RoundRun:
             excluded=dict(context.excluded),
             # every member is listed, as in hivemind; None where its data did not reach this member
             # (two auxiliary members exchange nothing)
-            gathered={**dict.fromkeys(context.peers), **_decode_gathered(context.all_gathered())},
+            gathered={**dict.fromkeys(context.peers), **_decode_gathered(context.all_gathered(), context.peer_by_name)},
             bytes_sent=context.traffic.sent,
             bytes_received=context.traffic.received,
             members=tuple(context.senders()),
@@ -194,11 +194,12 @@ def outcome_of(task: asyncio.Task[PartOutcome | None]) -> PartOutcome | None:
     return task.result()
 
 
-def _decode_gathered(gathered: dict[str, bytes]) -> dict[PeerID, Any]:
+def _decode_gathered(gathered: dict[str, bytes], members: dict[str, PeerID]) -> dict[PeerID, Any]:
     decoded = {}
     for name, packed in gathered.items():
         try:
-            decoded[PeerID.from_base58(name)] = unpack_gather(packed)
+            peer = members.get(name)
+            decoded[peer if peer is not None else PeerID.from_base58(name)] = unpack_gather(packed)
         except (ProtocolError, ValueError) as e:
             logger.debug(f"dropping undecodable gather data of {name}: {e}")
     return decoded

@@ -237,8 +237,8 @@ async def _receive_average(
         if decoding:  # no decoding job may write into the outputs after the caller restores them
             await asyncio.wait(decoding)
         raise
-    peers = {name: PeerID.from_base58(name) for name in head.contributors}
-    return tuple(peers.values()), [tuple(peers[name] for name in chunk) for chunk in chunks]
+    peers = context.peer_by_name  # every name in RESULT is a member's (parse_result_head checked it)
+    return tuple(peers[name] for name in head.contributors), [tuple(peers[name] for name in chunk) for chunk in chunks]
 
 
 async def _receive(context: RoundContext, stream: ClientStream) -> Message:
