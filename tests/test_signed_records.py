@@ -29,6 +29,7 @@ from hivemind_ext.averaging.state_sharing import LoadedState, StateDonor, StateL
 from hivemind_ext.averaging.state_sharing.records import donor_subkey, donors_key
 from hivemind_ext.p2p.dht_calls import DHTCalls
 from hivemind_ext.p2p.signing import (
+    CachingSignatureValidator,
     OwnedRecordsValidator,
     OwnerBook,
     default_signing_key,
@@ -254,3 +255,31 @@ def test_a_key_signs_only_under_its_own_owner_subkey() -> None:
     assert RSASignatureValidator().validate(DHTRecord(own.key, own.subkey, validator.sign_value(own), 1.0))
     assert validator.sign_value(other) == other.value  # unsigned: every node refuses it
     assert not RSASignatureValidator().validate(other)
+
+
+def test_the_caching_validator_answers_a_known_record_without_copying_it(monkeypatch) -> None:
+    """A DHT node validates every record of a board on every read; a record it verified before is
+    answered from the cache by a digest of its fields, which used to be taken through
+    dataclasses.astuple (a deep copy of every field: half the cost of a cache hit). Any changed
+    field is still a new record, verified afresh."""
+    import copy
+
+    key = RSAPrivateKey()
+    signer = CachingSignatureValidator(key)
+    unsigned = DHTRecord(b"k", MSGPackSerializer.dumps(signed_subkey("t", "p", owner_marker(key))), b"\x01", 5.0)
+    record = DHTRecord(unsigned.key, unsigned.subkey, signer.sign_value(unsigned), 5.0)
+    validator = CachingSignatureValidator()
+    assert validator.validate(record)
+    copies = []
+    original = copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda *args, **kwargs: copies.append(1) or original(*args, **kwargs))
+    assert validator.validate(record)
+    assert copies == []
+    tampered = record.value.replace(b"\x01", b"\x02", 1)
+    for changed in (
+        DHTRecord(b"j", record.subkey, record.value, 5.0),
+        DHTRecord(record.key, record.subkey, tampered, 5.0),
+        DHTRecord(record.key, record.subkey, record.value, 6.0),
+    ):
+        assert not validator.validate(changed)
+    assert validator.validate(record)
