@@ -192,6 +192,8 @@ def test_the_dht_helper_raises_typed_errors_not_sentinels(swarm) -> None:
         asyncio.run(refusing.store("k", 1, get_dht_time() + 10, timeout=5))
     with pytest.raises(ClosedError):
         refusing.store_nowait("k", 1, get_dht_time() + 10)
+    with pytest.raises(ClosedError):
+        DHTCalls(FaultyDHT(swarm[0], refuse={"run_coroutine"})).run_coroutine_nowait(_get_peer_id_of_node)
 
     async def past_deadline() -> None:
         await failing.get("k", deadline=asyncio.get_running_loop().time() - 1)
@@ -397,3 +399,7 @@ def test_adding_validators_has_a_deadline_and_works_on_a_live_dht(swarm) -> None
         assert not within("a store", lone.store, "after", 1, get_dht_time() + 60)
     finally:
         lone.shutdown()
+
+
+async def _get_peer_id_of_node(_dht: object, node: hivemind.dht.DHTNode) -> object:
+    return node.peer_id

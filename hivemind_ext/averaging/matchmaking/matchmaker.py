@@ -571,8 +571,10 @@ class Matchmaker:
         node, and every node that holds the board answers with the whole board, which the DHT
         process then validates record by record (RSA signatures). These stores are the members'
         markers and the leader's commit of a direct group, so that work landed right on the round's
-        all-reduce (measured in benchmarks/scale.py, 8 peers in one process: the DHT thread used
-        45 ms of CPU during each 4 KiB all-reduce, 25 ms with the narrow search)."""
+        all-reduce (measured with benchmarks/scale.py's peers, 8 in one process, groups of 8: the
+        DHT thread's CPU during each 4 KiB all-reduce went from 45 to 25 ms in 3-round runs, and
+        from 108-114 to 99 ms in 8-round runs, whose boards hold more rounds' records). What is
+        left there is mostly these stores' own search: each node it asks answers with the board."""
         try:
             signed = dataclasses.replace(write, subkey=self._signed(write.subkey))
             self._dht_calls.run_coroutine_nowait(functools.partial(_store_then_read, key, (signed,), False, False))
