@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 from swarm import local_swarm
 
 from hivemind_ext.averaging import AveragingStage, DecentralizedAverager
-from hivemind_ext.averaging.matchmaking.rotation import DIGITS, Coordinates
+from hivemind_ext.averaging.matchmaking.rotation import DIGITS, Coordinates, grid_digits
 from hivemind_ext.errors import ConfigurationError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -120,13 +120,18 @@ def test_group_bits_keep_peers_apart_and_a_2x2_grid_reaches_the_mean(swarm: list
         shutdown_all(averagers)
 
 
+def peer_pairs(swarm: Sequence[hivemind.DHT], pairs: Sequence[tuple[int, int]]) -> list[set[str]]:
+    return sorted(({str(swarm[i].peer_id), str(swarm[j].peer_id)} for i, j in pairs), key=sorted)
+
+
 def rounds_on_two_prefixes(
-    swarm: Sequence[hivemind.DHT], rotations: Sequence[Coordinates | None]
+    swarm: Sequence[hivemind.DHT], rotations: Sequence[Sequence[Coordinates]]
 ) -> list[list[frozenset[str]]]:
-    """4 peers, each with two averagers in rotating groups of 2 (prefix A, then prefix B, one round
-    each, the whole swarm looking): each round's groups (sets of peer ids), sorted."""
+    """4 peers, each with two averagers in rotating groups of 2 (prefix A with ``rotations[0]``, then
+    prefix B with ``rotations[1]``, one round each, the whole swarm looking): each round's groups (sets
+    of peer ids), sorted."""
     rounds = []
-    for prefix in (fresh_prefix(), fresh_prefix()):
+    for prefix, prefix_rotations in zip((fresh_prefix(), fresh_prefix()), rotations, strict=True):
         averagers = [
             DecentralizedAverager(
                 [torch.tensor([float(i)])],
@@ -138,7 +143,7 @@ def rounds_on_two_prefixes(
                 rotation=rotation,
                 start=True,
             )
-            for i, (dht, rotation) in enumerate(zip(swarm, rotations, strict=True))
+            for i, (dht, rotation) in enumerate(zip(swarm, prefix_rotations, strict=True))
         ]
         try:
             futures = [averager.step(wait=False, timeout=30, expected_group_size=4) for averager in averagers]
@@ -152,12 +157,19 @@ def rounds_on_two_prefixes(
 def test_averagers_that_share_a_rotation_mix_across_each_others_groups(swarm: list[hivemind.DHT]) -> None:
     """The Optimizer's gradient round, then its parameter round, in rotating groups: with one rotation
     per peer (Coordinates shared by both averagers, as the Optimizer does) the second round pairs
-    peers that the first kept apart; with each averager's own coordinates (both start from the peer
-    id's) it met the same pairs again, which mixes nothing across them."""
-    first, second = rounds_on_two_prefixes(swarm[:4], [None] * 4)
-    assert len(first) == 2 and all(len(group) == 2 for group in first), first
+    peers that the first kept apart; with each averager's own coordinates (from the same start, as two
+    averagers that each start from the peer id's) it met the same pairs again, which mixes nothing
+    across them. The peers start on a 2x2 grid: hashed starts can put 3 of 4 peers in one shard, and
+    then who pairs with whom depends on timing, in both cases."""
+
+    def grid() -> list[Coordinates]:
+        return [Coordinates(grid_digits(i, 2, 2), 2) for i in range(4)]
+
+    first, second = rounds_on_two_prefixes(swarm[:4], [grid(), grid()])
+    assert first == [frozenset(ids) for ids in peer_pairs(swarm, [(0, 1), (2, 3)])], first
     assert second == first  # why the averagers must share: the same pairs again
-    first, second = rounds_on_two_prefixes(swarm[:4], [Coordinates() for _ in range(4)])
+    shared = grid()
+    first, second = rounds_on_two_prefixes(swarm[:4], [shared, shared])
     assert len(first) == len(second) == 2 and all(len(group) == 2 for group in first + second), (first, second)
     for group in second:  # one member from each of the first round's groups
         assert all(len(group & earlier) == 1 for earlier in first), (first, second)
