@@ -33,8 +33,8 @@ from hivemind_ext.averaging.matchmaking.group import (
     plausible,
 )
 from hivemind_ext.averaging.matchmaking.lifetimes import commit_writes, marker_record, seal_record
-from hivemind_ext.averaging.matchmaking.rotation import coarser
-from hivemind_ext.averaging.matchmaking.timing import plan_ahead
+from hivemind_ext.averaging.matchmaking.rotation import coarser, shard_depth, sibling
+from hivemind_ext.averaging.matchmaking.timing import plan_ahead, seal_time
 
 REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left
 IGNORE_TIMEOUTS = 3  # request timeouts for which a peer that failed this one is left out of its plans
@@ -69,6 +69,15 @@ polls after the scheduled time, against a goal of 10). Only the leader's wait us
 with such a declaration as usual (session 7 stopped planning with it, and a DHT lagging past
 ``request_timeout`` then grouped nobody)."""
 
+HOLD_POLLS = 2
+"""A group sealed ahead with room on a sharded swarm's board (see :func:`_holds`) commits this many
+poll intervals before it starts, not as soon as its members confirmed."""
+HOP_WAIT_POLLS = 4
+"""A stray that came to a sibling shard's board moves on once it has been in no planned group for
+this many poll intervals and reads there: enough for a group with room to take it in (the leader reads
+it, seals anew, the stray reads that seal); after ``HOP_EMPTY_POLLS`` where the board shows nothing
+that could take it (no open group with room, nobody else looking)."""
+HOP_EMPTY_POLLS = 2
 EAGER_POLLS = 5  # for this many poll intervals after it starts looking, a peer reads at the urgent pace
 SHARD_WAIT_POLLS = 10
 """A peer that is in no planned group this many poll intervals and reads after it arrived on a
@@ -112,6 +121,7 @@ class Looking:
     dead: Dead = ()  # members of a group this peer led that missed their refresh: see :func:`_forget_dead`
     reopened: frozenset[str] = frozenset()  # peers this peer abandoned a group it led for: see :func:`_strays`
     leader_until: float = -math.inf  # when the planned leader's declaration expires, as last seen (_step_looking)
+    hops: int = 0  # sibling shards this search visited as a stray (see "Strays" in .rotation)
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,8 @@ class Step:
     it is final, and whether the board is about to change (a group is being formed with this peer),
     so that the next read should come sooner than ``poll_interval``. A final group's all-reduce
     starts no earlier than ``start_at`` (a group sealed ahead of its scheduled time). ``fall_back``:
-    this peer's shard is too empty, it should look on the coarser shard's board (:func:`fall_back`)."""
+    this peer's shard is too empty, it should look on the coarser shard's board (:func:`fall_back`);
+    ``hop``: with ``fall_back``, on the next sibling shard's board instead, its ``hop``-th visit there."""
 
     state: State
     writes: tuple[Write, ...] = ()
@@ -164,6 +175,7 @@ class Step:
     urgent: bool = False
     start_at: float = -math.inf
     fall_back: bool = False
+    hop: int = 0
 
 
 def step(state: State, now: float, board: Board, config: MatchmakingConfig, *, direct: bool = False) -> Step:
@@ -191,15 +203,21 @@ def withdrawal(state: State, now: float, config: MatchmakingConfig) -> tuple[Wri
     return (left,)
 
 
-def fall_back(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[MatchmakingConfig, Looking, Write]:
-    """A looking peer moves to the coarser shard (see :mod:`.rotation`): the configuration to use from
-    now on, its new state (a fresh attempt that keeps its seniority and times, declared by its next
-    step), and the marker that withdraws the old attempt, to store on the old shard's board."""
+def fall_back(
+    me: Declaration, now: float, config: MatchmakingConfig, hop: int = 0
+) -> tuple[MatchmakingConfig, Looking, Write]:
+    """A looking peer moves to the coarser shard (see :mod:`.rotation`), or with ``hop`` (a
+    :attr:`Step.hop`) to the next sibling shard as a stray: the configuration to use from now on, its
+    new state (a fresh attempt that keeps its seniority and times, declared by its next step), and the
+    marker that withdraws the old attempt, to store on the old shard's board."""
     _, left = _mark(me, None, now, config)
-    coarse = replace(config, shard_depth=coarser(config.shard_depth))
+    if hop:
+        moved = replace(config, digits=sibling(config.digits, config.shard_depth, config.target_group_size or 1))
+    else:
+        moved = replace(config, shard_depth=coarser(config.shard_depth))
     member = replace(me.member, attempt=next_attempt(me.member.attempt))
-    fresh = replace(me, member=member, prefix=coarse.group_key, expiration=-math.inf)
-    return coarse, Looking(fresh, None, (), arrived=now), left
+    fresh = replace(me, member=member, prefix=moved.group_key, expiration=-math.inf, digits=moved.digits)
+    return moved, Looking(fresh, None, (), arrived=now, hops=hop), left
 
 
 def next_attempt(attempt: str) -> str:
@@ -251,14 +269,56 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         and now < state.leader_until  # its declaration did not simply expire (a leader that died)
         and _vanished(state.waiting_on[0], board)
     )
-    if stranded and config.shard_depth > 0 and (waited or now >= me.ready_at) and not lost:
-        return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no full group here
+    if stranded and config.shard_depth > 0 and not lost:
+        hop = _hop(state, me, now, board, config, waited)
+        if hop is not None:  # my shard is too empty: no group for me here
+            return Step(Looking(me), refresh, fall_back=True, hop=hop)
     if mine is None or mine[0].member != me.member:
         # In a planned group: its leader seals soon. Just started looking: peers that start at the same
         # moment (as in synchronous training) are declaring right now. Either way, read again soon.
         eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
         return Step(_waiting(state, me, mine, now, config), refresh, urgent=mine is not None or eager)
     return _lead(state, me, mine, now, config, start_at, direct)
+
+
+def _hop(
+    state: Looking, me: Declaration, now: float, board: Board, config: MatchmakingConfig, waited: bool
+) -> int | None:
+    """Where a peer in no planned group on a shard's board moves (see "Strays" in :mod:`.rotation`):
+    None: nowhere yet; 0: to the coarser shard; ``k``: to the next sibling shard, its ``k``-th visit.
+
+    On its own shard, a peer moves once it would have been planned ahead (:func:`.timing.seal_time`: a
+    shard that can place it has sealed its group with it by then) or after ``SHARD_WAIT_POLLS``; on a
+    sibling it visits, after ``HOP_WAIT_POLLS`` (a group with room there takes it in meanwhile), or
+    ``HOP_EMPTY_POLLS`` where nothing there could. It visits every sibling in turn until its scheduled
+    time, then falls back as every peer did (and waits on the coarser shards as they do)."""
+    target = config.target_group_size or 1
+    if state.hops:
+        arrived = me.declared_at if state.arrived is None else state.arrived
+        polls = HOP_EMPTY_POLLS if _nothing_for(me, now, board, config) else HOP_WAIT_POLLS
+        if state.reads < polls or now < arrived + polls * config.poll_interval:
+            return None
+        return state.hops + 1 if state.hops < target - 1 and now < me.ready_at else 0
+    if _first_shard(config) and (waited or now >= seal_time(me, config)):
+        return 1 if target > 2 and now < me.ready_at else 0
+    return 0 if waited or now >= me.ready_at else None
+
+
+def _nothing_for(me: Declaration, now: float, board: Board, config: MatchmakingConfig) -> bool:
+    """Whether ``board`` shows nothing that could place a stray: no open group with room, and nobody
+    else looking."""
+    target = config.target_group_size
+    room = any(is_open(g, now, board) and (target is None or len(g.members) < target) for g in board.sealed.values())
+    others = [d for d in looking_peers(now, board, config) if d.member.peer_id != me.member.peer_id]
+    return not room and not others
+
+
+def _first_shard(config: MatchmakingConfig) -> bool:
+    """Whether ``config`` is the finest shard of its swarm: the one its peers declare on first."""
+    target, expected = config.target_group_size, config.expected_group_size
+    if not config.shard_depth or target is None:
+        return False
+    return config.shard_depth == min(shard_depth(expected, target), len(config.digits))
 
 
 def _current(entries: Ignored, now: float) -> set[str]:
@@ -419,6 +479,8 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         abandoned = commit_writes(group, (), now, config)
         reopened = state.reopened | {d.member.peer_id for d in strays}
         return _retry(state.declaration, now, config, abandoned, state.ignored, replace(state, reopened=reopened))
+    if members and _holds(group, now, config):
+        return Step(state)
     commits = commit_writes(group, tuple(m.key for m in members), now, config)
     if not members:
         # whoever did not confirm is left out of my next plans (an honest one went to another group). Not
@@ -432,6 +494,21 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         ignored = _ignore(state.ignored, silent, now, config)
         return _retry(state.declaration, now, config, commits, ignored, state)
     return Step(state, commits, GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
+
+
+def _holds(group: SealedGroup, now: float, config: MatchmakingConfig) -> bool:
+    """Whether the leader of ``group``, sealed ahead with room on a board of a sharded swarm, holds its
+    commit until :data:`HOLD_POLLS` poll intervals before the group starts, so that a stray that comes
+    to the board until then (a sibling shard's, see "Strays" in :mod:`.rotation`) finds it open and is
+    taken in (:func:`_strays`). Committed as soon as its members confirmed, such a group was final
+    long before the scheduled time, and the stray that came a moment later was the last live peer in
+    no group (64 simulated peers in groups of 8, 14 of 20 seeds). Its start does not change: a group
+    sealed ahead starts at its scheduled time anyway."""
+    target, expected = config.target_group_size, config.expected_group_size
+    if target is None or expected is None or not config.digits or len(group.members) >= target:
+        return False
+    sharded = config.shard_depth > 0 or shard_depth(expected, target) > 0
+    return sharded and now < group.start_at - HOLD_POLLS * config.poll_interval
 
 
 def _lowest_leader(group: SealedGroup) -> tuple[PeerKey, str]:
@@ -474,7 +551,7 @@ def _strays(
     board takes in (see :func:`_take_in`): fewer than ``min_group_size`` of them besides the group,
     so that no plan places them, and room for them in the group. Empty: none, or the group does not."""
     target, members = config.target_group_size, {m.peer_id for m in group.members}
-    if config.shard_depth or not is_open(group, now, board) or (target is not None and len(members) >= target):
+    if not is_open(group, now, board) or (target is not None and len(members) >= target):
         return ()
     ignored = _current(state.ignored, now)
     if isinstance(state, Looking) and ignored & members:
@@ -524,9 +601,11 @@ def _take_in(
     kept = (m for m in group.members if m.peer_id not in again)
     members = tuple(sorted((*kept, *(d.member for d in strays)), key=lambda m: m.key))
     commit_by = min(group.commit_by, min(d.deadline for d in strays) - config.poll_interval)
-    return SealedGroup(
-        group_id_for(members), members, commit_by, group.start_at if group.start_at > now else -math.inf, direct
-    )
+    # a group sealed ahead starts when its first member is due (.timing.group_start): a stray due earlier
+    # than the group's start took the seal for one it would not join (.group.plausible), and the leader
+    # waited for it until commit_by (44 simulated peers in groups of 4, one dead: 17.5 polls)
+    start_at = min(group.start_at, *(d.ready_at for d in strays))
+    return SealedGroup(group_id_for(members), members, commit_by, start_at if start_at > now else -math.inf, direct)
 
 
 def _step_following(state: Following, now: float, board: Board, config: MatchmakingConfig) -> Step:
@@ -546,7 +625,8 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
         return _retry(me, now, config, (), state.ignored, state)
     if now > group.commit_by + config.request_timeout:  # the leader is gone: leave, so a late commit skips me
         return leader_failed(state, now, config)
-    return Step(state, urgent=True)
+    # a group held open (_holds) commits a while from now: read at the usual pace until then
+    return Step(state, urgent=not _holds(group, now + 2 * config.poll_interval, config))
 
 
 def leader_failed(state: Following, now: float, config: MatchmakingConfig) -> Step:
