@@ -293,13 +293,16 @@ def _hop(
     ``HOP_EMPTY_POLLS`` where nothing there could. It visits every sibling in turn until its scheduled
     time, then falls back as every peer did (and waits on the coarser shards as they do)."""
     target = config.target_group_size or 1
+    polls = HOP_EMPTY_POLLS if _nothing_for(me, now, board, config) else HOP_WAIT_POLLS
     if state.hops:
         arrived = me.declared_at if state.arrived is None else state.arrived
-        polls = HOP_EMPTY_POLLS if _nothing_for(me, now, board, config) else HOP_WAIT_POLLS
         if state.reads < polls or now < arrived + polls * config.poll_interval:
             return None
         return state.hops + 1 if state.hops < target - 1 and now < me.ready_at else 0
-    if _first_shard(config) and (waited or now >= seal_time(me, config)):
+    # not on the first reads after a group it was in broke up (it looks again under a new attempt, and
+    # reads 0): the shard's other peers of that group plan again with it. One that left at once was
+    # the last live peer in no group (1,000 simulated peers, 0% dying, seed 1)
+    if _first_shard(config) and (waited or now >= seal_time(me, config)) and state.reads >= polls:
         return 1 if target > 2 and now < me.ready_at else 0
     return 0 if waited or now >= me.ready_at else None
 
