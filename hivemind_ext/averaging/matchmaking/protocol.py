@@ -77,7 +77,7 @@ HOP_WAIT_POLLS = 4
 this many poll intervals and reads there: enough for a group with room to take it in (the leader reads
 it, seals anew, the stray reads that seal); after ``HOP_EMPTY_POLLS`` where the board shows nothing
 that could take it (no open group with room, nobody else looking)."""
-HOP_EMPTY_POLLS = 2
+HOP_EMPTY_POLLS = 1
 EAGER_POLLS = 5  # for this many poll intervals after it starts looking, a peer reads at the urgent pace
 SHARD_WAIT_POLLS = 10
 """A peer that is in no planned group this many poll intervals and reads after it arrived on a
@@ -308,10 +308,13 @@ def _hop(
 
 
 def _nothing_for(me: Declaration, now: float, board: Board, config: MatchmakingConfig) -> bool:
-    """Whether ``board`` shows nothing that could place a stray: no open group with room, and nobody
-    else looking."""
+    """Whether ``board`` shows nothing that could place a stray: no open group with room whose leader
+    would take it in (one below it: see :func:`_take_in`), and nobody else looking."""
     target = config.target_group_size
-    room = any(is_open(g, now, board) and (target is None or len(g.members) < target) for g in board.sealed.values())
+    room = any(
+        is_open(g, now, board) and (target is None or len(g.members) < target) and g.leader.key < me.member.key
+        for g in board.sealed.values()
+    )
     others = [d for d in looking_peers(now, board, config) if d.member.peer_id != me.member.peer_id]
     return not room and not others
 
@@ -469,7 +472,10 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
             urgent=True,
         )
     settled = all(d.expiration - config.request_timeout <= now - config.poll_interval for d in strays)
-    if members and strays and settled:
+    # not on a shard's board: a stray there moves on to the next sibling shard, whose group may take it
+    # in; abandoning for it there set members that had joined apart in rival seals, and one of them
+    # was left in no group (1,000 simulated peers, 2% dying, seed 6)
+    if members and strays and settled and not config.shard_depth:
         # A stray below me would be the leader of the group that takes it in, which no seal of mine can
         # make it (a stray below that sealed the group with itself let a lying leader take every honest group
         # over: LyingDesk), and left alone it was the last live peer in no group (1,000 simulated peers, 0%
@@ -671,6 +677,11 @@ def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: B
         return True
     joined = board.markers[member.key]
     other = board.sealed.get(joined) if joined is not None and joined != group.group_id else None
+    if other is not None and other.leader == me:
+        # it joined my seal before this one, which I abandoned to take a stray in (_take_in): it joins this
+        # one once it reads that. A read of mine that did not show that abandonment yet showed the old seal
+        # open, and the group (full with the stray) committed without it (1,000 simulated peers, seed 7)
+        return True
     if other is None or not is_open(other, now, board):
         return False
     return other.leader.key in group.keys and other.leader.key > me.key
