@@ -302,7 +302,9 @@ def _hop(
     # not on the first reads after a group it was in broke up (it looks again under a new attempt, and
     # reads 0): the shard's other peers of that group plan again with it. One that left at once was
     # the last live peer in no group (1,000 simulated peers, 0% dying, seed 1)
-    if _first_shard(config) and (waited or now >= seal_time(me, config)) and state.reads >= polls:
+    if _first_shard(config):
+        if state.reads < polls or not (waited or now >= seal_time(me, config)):
+            return None
         return 1 if target > 2 and now < me.ready_at else 0
     return 0 if waited or now >= me.ready_at else None
 
@@ -451,6 +453,12 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         m.key not in state.gone and (_coming(m, group, me, now, board) or _dropped(m, group, board)) for m in others
     ) or _rivals(group, state, now, board, config)
     if waiting and now < group.commit_by:
+        # on a shard's board, a group that waits for a member takes a stray in meanwhile: a member that died
+        # held it until its declaration went stale, and the stray had moved on by then, to be left in no
+        # group (1,000 simulated peers, 2% dying, seed 4)
+        strays = _strays(group, state, state.declaration, now, board, config) if config.shard_depth else ()
+        if strays and all(d.member.key > me.key for d in strays):
+            return _taking_in(state, strays, now, config)
         return Step(state, urgent=True)
     members = tuple(m for m in group.members if m.key in confirmed)
     # a group sealed with only auxiliary members may commit as such; a mixed group whose contributors
@@ -462,20 +470,12 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         members = ()
     strays = _strays(group, state, state.declaration, now, board, config)
     if members and strays and all(d.member.key > me.key for d in strays):  # take them in (see _take_in)
-        taken = _take_in(group, strays, now, config, group.direct)
-        joined, confirm = _mark(state.declaration, taken, now, config)
-        writes = (seal_record(taken, config), *commit_writes(group, (), now, config), confirm)
-        reopened = state.reopened | {d.member.peer_id for d in strays}
-        return Step(
-            replace(state, declaration=joined, group=taken, full_until=-math.inf, reopened=reopened),
-            writes,
-            urgent=True,
-        )
+        return _taking_in(state, strays, now, config)
     settled = all(d.expiration - config.request_timeout <= now - config.poll_interval for d in strays)
     # not on a shard's board: a stray there moves on to the next sibling shard, whose group may take it
     # in; abandoning for it there set members that had joined apart in rival seals, and one of them
     # was left in no group (1,000 simulated peers, 2% dying, seed 6)
-    if members and strays and settled and not config.shard_depth:
+    if members and strays and settled:
         # A stray below me would be the leader of the group that takes it in, which no seal of mine can
         # make it (a stray below that sealed the group with itself let a lying leader take every honest group
         # over: LyingDesk), and left alone it was the last live peer in no group (1,000 simulated peers, 0%
@@ -503,6 +503,18 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         ignored = _ignore(state.ignored, silent, now, config)
         return _retry(state.declaration, now, config, commits, ignored, state)
     return Step(state, commits, GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
+
+
+def _taking_in(state: Leading, strays: tuple[Declaration, ...], now: float, config: MatchmakingConfig) -> Step:
+    """The leader seals its group anew with ``strays`` (see :func:`_take_in`) and abandons the old seal."""
+    group = state.group
+    taken = _take_in(group, strays, now, config, group.direct)
+    joined, confirm = _mark(state.declaration, taken, now, config)
+    writes = (seal_record(taken, config), *commit_writes(group, (), now, config), confirm)
+    reopened = state.reopened | {d.member.peer_id for d in strays}
+    return Step(
+        replace(state, declaration=joined, group=taken, full_until=-math.inf, reopened=reopened), writes, urgent=True
+    )
 
 
 def _holds(group: SealedGroup, now: float, config: MatchmakingConfig) -> bool:
