@@ -310,13 +310,11 @@ def _hop(
 
 
 def _nothing_for(me: Declaration, now: float, board: Board, config: MatchmakingConfig) -> bool:
-    """Whether ``board`` shows nothing that could place a stray: no open group with room whose leader
-    would take it in (one below it: see :func:`_take_in`), and nobody else looking."""
+    """Whether ``board`` shows nothing that could place a stray: no open group with room (it takes the
+    stray in, or abandons its seal to plan again with it: see :func:`_step_leading`), and nobody else
+    looking."""
     target = config.target_group_size
-    room = any(
-        is_open(g, now, board) and (target is None or len(g.members) < target) and g.leader.key < me.member.key
-        for g in board.sealed.values()
-    )
+    room = any(is_open(g, now, board) and (target is None or len(g.members) < target) for g in board.sealed.values())
     others = [d for d in looking_peers(now, board, config) if d.member.peer_id != me.member.peer_id]
     return not room and not others
 
@@ -472,9 +470,6 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
     if members and strays and all(d.member.key > me.key for d in strays):  # take them in (see _take_in)
         return _taking_in(state, strays, now, config)
     settled = all(d.expiration - config.request_timeout <= now - config.poll_interval for d in strays)
-    # not on a shard's board: a stray there moves on to the next sibling shard, whose group may take it
-    # in; abandoning for it there set members that had joined apart in rival seals, and one of them
-    # was left in no group (1,000 simulated peers, 2% dying, seed 6)
     if members and strays and settled:
         # A stray below me would be the leader of the group that takes it in, which no seal of mine can
         # make it (a stray below that sealed the group with itself let a lying leader take every honest group
@@ -692,7 +687,8 @@ def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: B
     if other is not None and other.leader == me:
         # it joined my seal before this one, which I abandoned to take a stray in (_take_in): it joins this
         # one once it reads that. A read of mine that did not show that abandonment yet showed the old seal
-        # open, and the group (full with the stray) committed without it (1,000 simulated peers, seed 7)
+        # open, and the group (full with the stray) committed without it (1,000 simulated peers, seed 7).
+        # Bounded by commit_by: one that died after it confirmed costs what a silent member costs
         return True
     if other is None or not is_open(other, now, board):
         return False
