@@ -31,7 +31,16 @@ from hivemind_ext.averaging.matchmaking.group import (
     looking_peers,
     plan_groups,
 )
-from hivemind_ext.averaging.matchmaking.protocol import HOLD_POLLS, SHARD_WAIT_POLLS, Leading, Looking, fall_back, step
+from hivemind_ext.averaging.matchmaking.protocol import (
+    HOLD_POLLS,
+    HOP_EMPTY_POLLS,
+    HOP_WAIT_POLLS,
+    SHARD_WAIT_POLLS,
+    Leading,
+    Looking,
+    fall_back,
+    step,
+)
 from hivemind_ext.averaging.matchmaking.rotation import (
     DIGITS,
     Digits,
@@ -445,16 +454,20 @@ def test_a_stray_visits_the_sibling_shards_then_falls_back() -> None:
     mine = state.declaration
     assert mine.digits == (0, 3, 2) and mine.prefix == "run.m4.2" and mine.declared_at == me.declared_at
     assert mine.member.attempt != me.member.attempt
-    # on the sibling's board: it moves on soon where nothing could take it in, later where a group has room
-    there = replace(state, declaration=replace(mine, expiration=21.0), reads=2)
-    assert not step(there, 19.5 + 0.09, board_of(there.declaration), moved).fall_back
-    assert step(there, 19.6, board_of(there.declaration), moved).hop == 2
+    # on the sibling's board: it moves on after HOP_EMPTY_POLLS where nothing could take it in, after
+    # HOP_WAIT_POLLS where an open group has room
+    there = replace(state, declaration=replace(mine, expiration=21.0), reads=HOP_EMPTY_POLLS)
+    empty = 19.5 + HOP_EMPTY_POLLS * cfg.poll_interval
+    assert not step(there, empty - 0.01, board_of(there.declaration), moved).fall_back
+    assert step(there, empty, board_of(there.declaration), moved).hop == 2
     others = [shard_peer(i, (1, 1, 2), moved) for i in (5, 6)]
     room = _seal_of(others, moved, start_at=20.0)
     busy = board_of(there.declaration, *others, sealed={room.group_id: room})
-    assert not step(there, 19.6, busy, moved).fall_back, "an open group with room may take it in"
-    assert step(replace(there, reads=4), 19.7, busy, moved).hop == 2
-    last = step(replace(there, hops=3, reads=2), 19.6, board_of(there.declaration), moved)
+    wait = 19.5 + HOP_WAIT_POLLS * cfg.poll_interval
+    assert not step(there, empty, busy, moved).fall_back, "an open group with room may take it in"
+    assert not step(replace(there, reads=HOP_WAIT_POLLS), wait - 0.01, busy, moved).fall_back
+    assert step(replace(there, reads=HOP_WAIT_POLLS), wait, busy, moved).hop == 2
+    last = step(replace(there, hops=3), empty, board_of(there.declaration), moved)
     assert last.fall_back and last.hop == 0, "every sibling visited: it falls back to the coarser shard"
     late = step(there, 20.0, board_of(there.declaration), moved)
     assert late.fall_back and late.hop == 0, "its scheduled time came: it falls back"
