@@ -118,8 +118,8 @@ Failure modes
   size (``expected_group_size``), read and write only
   their shard's board, which expects between one and ``target_group_size`` groups; a peer its
   shard cannot place visits the sibling shards' boards, where a group with room takes it in, then
-  falls back to the coarser shard's board (see :mod:`.rotation`). Group bits (``initial_group_bits``, ``set_group_bits``) split the board the
-  way hivemind does instead.
+  falls back to the coarser shard's board (see :mod:`.rotation`). Group bits
+  (``initial_group_bits``, ``set_group_bits``) split the board the way hivemind does instead.
 - *Hostile writers.* The DHT is open: records are validated and malformed ones skipped. Every
   record is signed by its writer's RSA key and believed only if it speaks for the peer that signed
   it (:mod:`.authenticity`): nobody can overwrite, withdraw or forge another peer's declaration,
