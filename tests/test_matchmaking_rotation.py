@@ -51,6 +51,7 @@ from hivemind_ext.averaging.matchmaking.rotation import (
     rotation_groups,
     shard_depth,
     shard_key,
+    sibling,
 )
 from hivemind_ext.averaging.matchmaking.simulation import LaggingDHT, simulate_round, simulated_peer_id
 from hivemind_ext.errors import ConfigurationError, ProtocolError
@@ -439,9 +440,10 @@ def shard_peer(index: int, digits: Digits, cfg: MatchmakingConfig, **kwargs) -> 
     return replace(declaration(index, prefix=cfg.group_key, **kwargs), digits=digits)
 
 
-def test_a_stray_visits_the_sibling_shards_then_falls_back() -> None:
+def test_a_stray_visits_the_sibling_shards_until_its_scheduled_time_then_falls_back() -> None:
     # a shard of one: from the time it would be planned ahead, it visits the next sibling shard (same
-    # coarser shard, the shard's oldest digit moved on by one), then the next, then falls back
+    # coarser shard, the shard's oldest digit moved on by one), then the next, round the ring, until its
+    # scheduled time; then it falls back
     cfg = config(target_group_size=4, digits=(0, 3, 1), shard_depth=1, expected_group_size=16, min_matchmaking_time=1.0)
     me = shard_peer(1, cfg.digits, cfg, declared_at=10.0, ready_at=20.0)
     read = Looking(me, reads=5)
@@ -467,8 +469,9 @@ def test_a_stray_visits_the_sibling_shards_then_falls_back() -> None:
     assert not step(there, empty, busy, moved).fall_back, "an open group with room may take it in"
     assert not step(replace(there, reads=HOP_WAIT_POLLS), wait - 0.01, busy, moved).fall_back
     assert step(replace(there, reads=HOP_WAIT_POLLS), wait, busy, moved).hop == 2
-    last = step(replace(there, hops=3), empty, board_of(there.declaration), moved)
-    assert last.fall_back and last.hop == 0, "every sibling visited: it falls back to the coarser shard"
+    again = step(replace(there, hops=3), empty, board_of(there.declaration), moved)
+    assert again.fall_back and again.hop == 4, "round the ring: its own shard again, and on"
+    assert sibling(sibling(sibling(sibling(cfg.digits, 1, 4), 1, 4), 1, 4), 1, 4) == cfg.digits
     late = step(there, 20.0, board_of(there.declaration), moved)
     assert late.fall_back and late.hop == 0, "its scheduled time came: it falls back"
 

@@ -290,22 +290,23 @@ def _hop(
     On its own shard, a peer moves once it would have been planned ahead (:func:`.timing.seal_time`: a
     shard that can place it has sealed its group with it by then) or after ``SHARD_WAIT_POLLS``; on a
     sibling it visits, after ``HOP_WAIT_POLLS`` (a group with room there takes it in meanwhile), or
-    ``HOP_EMPTY_POLLS`` where nothing there could. It visits every sibling in turn until its scheduled
-    time, then falls back as every peer did (and waits on the coarser shards as they do)."""
-    target = config.target_group_size or 1
+    ``HOP_EMPTY_POLLS`` where nothing there could. It visits the siblings in turn, round the ring and
+    its own shard again (a peer there may be looking for it by then: stopping after one round left one
+    alone, 32 simulated peers in groups of 4, seed 8), until its scheduled time, then falls back as
+    every peer did (and waits on the coarser shards as they do)."""
     polls = HOP_EMPTY_POLLS if _nothing_for(me, now, board, config) else HOP_WAIT_POLLS
     if state.hops:
         arrived = me.declared_at if state.arrived is None else state.arrived
         if state.reads < polls or now < arrived + polls * config.poll_interval:
             return None
-        return state.hops + 1 if state.hops < target - 1 and now < me.ready_at else 0
+        return state.hops + 1 if now < me.ready_at else 0
     # not on the first reads after a group it was in broke up (it looks again under a new attempt, and
     # reads 0): the shard's other peers of that group plan again with it. One that left at once was
     # the last live peer in no group (1,000 simulated peers, 0% dying, seed 1)
     if _first_shard(config):
         if state.reads < polls or not (waited or now >= seal_time(me, config)):
             return None
-        return 1 if target > 2 and now < me.ready_at else 0
+        return 1 if now < me.ready_at else 0
     return 0 if waited or now >= me.ready_at else None
 
 
@@ -494,7 +495,11 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         # and one that only looked dead (a lagging DHT shows a live member's declaration before its refresh)
         # would be ignored by this leader while it plans this leader (8 peers in pairs, DHT lag 0.4 s: two
         # honest peers ignored each other until the deadline)
-        silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in state.gone}
+        # Nor, on a shard's board, one that left it (its marker says so): it moved to another shard's board,
+        # and may come back there as a stray (see _hop); ignored, it was not taken in, and was left in no
+        # group (32 simulated peers in groups of 4, seed 8)
+        moved = {m.key for m in others if config.shard_depth and board.markers.get(m.key, "") is None}
+        silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in state.gone | moved}
         ignored = _ignore(state.ignored, silent, now, config)
         return _retry(state.declaration, now, config, commits, ignored, state)
     return Step(state, commits, GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
