@@ -610,7 +610,10 @@ def _strays(
     overlay = {
         key: d
         for key, d in board.declarations.items()
-        if d.member.peer_id not in left_out and d.expiration > dead.get(key, -math.inf) and not _stale(d, now, config)
+        if d.member.peer_id not in left_out
+        and d.expiration > dead.get(key, -math.inf)
+        and not _stale(d, now, config)
+        and (not config.shard_depth or _fresh(d, now, config))
     }
     if isinstance(state, Looking):
         overlay[me.member.key] = me
@@ -732,6 +735,15 @@ def _stale(declaration: Declaration | None, now: float, config: MatchmakingConfi
         return False
     left = declaration.expiration - now
     return declaration.expiration < declaration.deadline and left < STALE_LEFT * config.request_timeout
+
+
+def _fresh(declaration: Declaration, now: float, config: MatchmakingConfig) -> bool:
+    """Whether a declaration was refreshed lately, as a live looking peer's is (see :data:`REFRESH_FRACTION`),
+    give or take the lag of a read. On a shard's board only such a peer is a stray to take in, or to
+    abandon a group for (:func:`_strays`): a peer that died after declaring there stays on the board until
+    its declaration expires, and a group that abandoned its seal for one below its leader then waited for
+    it as its planned leader (1,000 simulated peers, 2% dying, seed 18: 11.8 polls)."""
+    return declaration.expiration - now >= REFRESH_FRACTION * config.request_timeout - 3 * config.poll_interval
 
 
 def _dropped(member: Member, group: SealedGroup, board: Board) -> bool:
