@@ -31,8 +31,8 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   until their scheduled time, and the leftovers then split into small groups).
 - **Falling back.** In a shard, full groups form as soon as their peers are looking, whatever is
   left over. A peer that is in no full group ``SHARD_WAIT_POLLS`` poll intervals after it came to
-  its shard's board (hashed coordinates fill shards unevenly), or at its scheduled time (a stray on
-  its own shard: once it has visited the sibling shards, see below), moves to the coarser shard,
+  its shard's board (hashed coordinates fill shards unevenly), or at its scheduled time (a stray
+  goes round the sibling shards until then, see below), moves to the coarser shard,
   one digit shorter (:func:`coarser`), with a fresh attempt and its seniority, down to the prefix's
   own board, where it waits for a full group or its scheduled time. Peers
   with different estimates of ``N`` thus still meet: the finer ones fall back.
@@ -43,8 +43,8 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   ``M`` (fewer than ``min_group_size`` left), or a shard of one. At the latest when it would be
   planned ahead, it visits the next sibling shard (:func:`sibling`: the same coarser shard, the
   shard's oldest digit moved on by one), a board of about one group, where a group with room takes it
-  in or it joins that shard's plan; once it has visited every sibling, or its scheduled time has
-  come, it falls back as above.
+  in or it joins that shard's plan; it goes on round the siblings (its own shard among them) until
+  its scheduled time, then falls back as above.
   Falling back at once left it alone on the prefix's board after the other shards had committed (64
   peers in groups of 8: one peer in no group in 14 of 20 seeds), and sending every shard's rest
   there instead put half of the swarm on that board (64 peers read 961 records per round each,
