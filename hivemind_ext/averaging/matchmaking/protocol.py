@@ -287,8 +287,9 @@ def _hop(
     """Where a peer in no planned group on a shard's board moves (see "Strays" in :mod:`.rotation`):
     None: nowhere yet; 0: to the coarser shard; ``k``: to the next sibling shard, its ``k``-th visit.
 
-    On its own shard, a peer moves once it would have been planned ahead (:func:`.timing.seal_time`: a
-    shard that can place it has sealed its group with it by then) or after ``SHARD_WAIT_POLLS``; on a
+    On its own shard, a peer moves to a sibling once it would have been planned ahead
+    (:func:`.timing.seal_time`: a shard that can place it has sealed its group with it by then), or
+    to the coarser shard if ``SHARD_WAIT_POLLS`` come before that; on a
     sibling it visits, after ``HOP_WAIT_POLLS`` (a group with room there takes it in meanwhile), or
     ``HOP_EMPTY_POLLS`` where nothing there could. It visits the siblings in turn, round the ring and
     its own shard again (a peer there may be looking for it by then: stopping after one round left one
@@ -303,10 +304,16 @@ def _hop(
     # not on the first reads after a group it was in broke up (it looks again under a new attempt, and
     # reads 0): the shard's other peers of that group plan again with it. One that left at once was
     # the last live peer in no group (1,000 simulated peers, 0% dying, seed 1)
+    # Long before its seal time, a peer in no group after SHARD_WAIT_POLLS falls back to the coarser shard
+    # as before, where the rests of the shards form full groups at once: visiting the siblings then (real
+    # peers wait seconds, min_matchmaking_time 5 s) split full groups up, into groups of 2 and 3 (16
+    # simulated peers in groups of 4, per-peer scheduled times 5 s on: 18 groups of 2 in 20 seeds)
     if _first_shard(config):
-        if state.reads < polls or not (waited or now >= seal_time(me, config)):
+        if state.reads < polls:
             return None
-        return 1 if now < me.ready_at else 0
+        if now >= seal_time(me, config):
+            return 1 if now < me.ready_at else 0
+        return 0 if waited else None
     return 0 if waited or now >= me.ready_at else None
 
 
