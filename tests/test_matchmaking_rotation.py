@@ -531,3 +531,16 @@ def test_a_sharded_swarm_reads_about_as_much_per_peer_as_one_group() -> None:
         return total / 3
 
     assert per_peer(64) <= 1.5 * per_peer(8)
+
+
+def test_peers_that_wait_seconds_still_meet_in_full_groups_on_the_coarser_shard() -> None:
+    # Real peers wait seconds for their scheduled time (min_matchmaking_time 5 s): the rest of each shard
+    # falls back after SHARD_WAIT_POLLS and forms full groups there. Strays that visited the siblings then
+    # split full groups into groups of 2 and 3 (16 real peers in groups of 4, benchmarks/scale.py).
+    cfg = config(target_group_size=4, min_matchmaking_time=5.0, request_timeout=3.0)
+    for seed in range(5):
+        coordinates = hashed_swarm(16, 4, first=100 * seed)
+        result = simulate_round(
+            coordinates, cfg, swarm_size=16, seed=seed, max_lag=0.1, spread=0.3, read_time=0.1
+        )  # fmt: skip
+        assert sorted(g.size for g in committed(dict(result.groups))) == [4] * 4, f"seed {seed}"
