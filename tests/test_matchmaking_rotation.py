@@ -26,10 +26,21 @@ from hivemind_ext.averaging.matchmaking.group import (
     Declaration,
     GroupInfo,
     MatchmakingConfig,
+    SealedGroup,
+    group_id_for,
     looking_peers,
     plan_groups,
 )
-from hivemind_ext.averaging.matchmaking.protocol import SHARD_WAIT_POLLS, Leading, Looking, fall_back, step
+from hivemind_ext.averaging.matchmaking.protocol import (
+    HOLD_POLLS,
+    HOP_EMPTY_POLLS,
+    HOP_WAIT_POLLS,
+    SHARD_WAIT_POLLS,
+    Leading,
+    Looking,
+    fall_back,
+    step,
+)
 from hivemind_ext.averaging.matchmaking.rotation import (
     DIGITS,
     Digits,
@@ -40,8 +51,9 @@ from hivemind_ext.averaging.matchmaking.rotation import (
     rotation_groups,
     shard_depth,
     shard_key,
+    sibling,
 )
-from hivemind_ext.averaging.matchmaking.simulation import simulate_round, simulated_peer_id
+from hivemind_ext.averaging.matchmaking.simulation import LaggingDHT, simulate_round, simulated_peer_id
 from hivemind_ext.errors import ConfigurationError, ProtocolError
 
 # ---------------------------------------------------------------- the rule over a whole swarm
@@ -419,3 +431,116 @@ def test_every_live_peer_is_grouped_despite_dead_and_hostile_peers(count, seed, 
         assert len(result.ungrouped) < cfg.min_group_size
     else:
         assert result.ungrouped == (), "a live peer was left in no group"
+
+
+# ---------------------------------------------------------------- strays visit the sibling shards
+
+
+def shard_peer(index: int, digits: Digits, cfg: MatchmakingConfig, **kwargs) -> Declaration:
+    return replace(declaration(index, prefix=cfg.group_key, **kwargs), digits=digits)
+
+
+def test_a_stray_visits_the_sibling_shards_until_its_scheduled_time_then_falls_back() -> None:
+    # a shard of one: from the time it would be planned ahead, it visits the next sibling shard (same
+    # coarser shard, the shard's oldest digit moved on by one), then the next, round the ring, until its
+    # scheduled time; then it falls back
+    cfg = config(target_group_size=4, digits=(0, 3, 1), shard_depth=1, expected_group_size=16, min_matchmaking_time=1.0)
+    me = shard_peer(1, cfg.digits, cfg, declared_at=10.0, ready_at=20.0)
+    read = Looking(me, reads=5)
+    assert not step(read, 19.45, board_of(me), cfg).fall_back, "before it would be planned ahead (19.5)"
+    hop = step(read, 19.5, board_of(me), cfg)
+    assert hop.fall_back and hop.hop == 1
+    moved, state, left = fall_back(hop.state.declaration, 19.5, cfg, hop.hop)
+    assert moved.shard_depth == 1 and moved.digits == (0, 3, 2) and moved.group_key == "run.m4.2"
+    assert state.hops == 1 and state.arrived == 19.5 and left.value == {"state": "left"}
+    mine = state.declaration
+    assert mine.digits == (0, 3, 2) and mine.prefix == "run.m4.2" and mine.declared_at == me.declared_at
+    assert mine.member.attempt != me.member.attempt
+    # on the sibling's board: it moves on after HOP_EMPTY_POLLS where nothing could take it in, after
+    # HOP_WAIT_POLLS where an open group has room
+    there = replace(state, declaration=replace(mine, expiration=21.0), reads=HOP_EMPTY_POLLS)
+    empty = 19.5 + HOP_EMPTY_POLLS * cfg.poll_interval
+    assert not step(there, empty - 0.01, board_of(there.declaration), moved).fall_back
+    assert step(there, empty, board_of(there.declaration), moved).hop == 2
+    others = [shard_peer(i, (1, 1, 2), moved) for i in (5, 6)]
+    room = _seal_of(others, moved, start_at=20.0)
+    busy = board_of(there.declaration, *others, sealed={room.group_id: room})
+    wait = 19.5 + HOP_WAIT_POLLS * cfg.poll_interval
+    assert not step(there, empty, busy, moved).fall_back, "an open group with room may take it in"
+    assert not step(replace(there, reads=HOP_WAIT_POLLS), wait - 0.01, busy, moved).fall_back
+    assert step(replace(there, reads=HOP_WAIT_POLLS), wait, busy, moved).hop == 2
+    again = step(replace(there, hops=3), empty, board_of(there.declaration), moved)
+    assert again.fall_back and again.hop == 4, "round the ring: its own shard again, and on"
+    assert sibling(sibling(sibling(sibling(cfg.digits, 1, 4), 1, 4), 1, 4), 1, 4) == cfg.digits
+    late = step(there, 20.0, board_of(there.declaration), moved)
+    assert late.fall_back and late.hop == 0, "its scheduled time came: it falls back"
+
+
+def _seal_of(peers: list[Declaration], cfg: MatchmakingConfig, start_at: float) -> SealedGroup:
+    members = tuple(sorted((d.member for d in peers), key=lambda m: m.key))
+    return SealedGroup(group_id_for(members), members, commit_by=start_at + 0.5, start_at=start_at)
+
+
+def test_a_group_sealed_ahead_with_room_on_a_shard_holds_its_commit_and_takes_a_stray_in() -> None:
+    cfg = config(target_group_size=4, digits=(0, 0, 1), shard_depth=1, expected_group_size=16, min_matchmaking_time=1.0)
+    peers = [shard_peer(i, (i, 0, 1), cfg, declared_at=10.0, ready_at=20.0) for i in (1, 2, 3)]
+    sealed = step(Looking(peers[0]), 19.6, board_of(*peers), cfg)  # planned ahead: a group of 3 with room
+    assert isinstance(sealed.state, Leading) and sealed.state.group.start_at == 20.0
+    group = sealed.state.group
+    joined = {d.member.key: group.group_id for d in peers}
+    confirmed = board_of(*peers, sealed={group.group_id: group}, markers=joined)
+    held = step(sealed.state, 19.7, confirmed, cfg)
+    assert held.group is None and held.writes == (), "every member confirmed, but it holds its commit"
+    # a stray from a sibling shard comes (above the leader): the group takes it in
+    stray = shard_peer(7, (3, 3, 1), cfg, declared_at=10.0, ready_at=20.0)
+    taken = step(sealed.state, 19.8, board_of(*peers, stray, sealed={group.group_id: group}, markers=joined), cfg)
+    assert isinstance(taken.state, Leading) and stray.member in taken.state.group.members
+    assert len(taken.state.group.members) == 4 and taken.state.group.start_at == 20.0
+    # it commits HOLD_POLLS before it starts
+    assert step(sealed.state, 20.0 - HOLD_POLLS * cfg.poll_interval, confirmed, cfg).group is not None
+
+
+@pytest.mark.parametrize(("count", "base", "seeds"), [(64, 8, range(5)), (16, 4, range(20))])
+def test_a_small_sharded_swarm_leaves_no_live_peer_over(count, base, seeds) -> None:
+    # Its shards hold 1-13 peers (hashed coordinates): a peer left over in a shard (9 = 8 + 1) fell back
+    # to the prefix's board after the other shards' groups with room had committed, and was alone there
+    # (64 peers in groups of 8: 14 of 20 seeds; 16 in groups of 4: 18 of 20). See "Strays" in .rotation.
+    cfg = config(target_group_size=base, min_matchmaking_time=1.0)
+    for seed in seeds:
+        coordinates = hashed_swarm(count, base, first=1 if base == 4 else 0)
+        result = simulate_round(
+            coordinates, cfg, swarm_size=count, seed=seed, max_lag=0.05, spread=0.5, scheduled_time=1.0
+        )
+        committed(dict(result.groups))
+        assert result.ungrouped == (), f"seed {seed}: a live peer was left in no group"
+
+
+def test_a_sharded_swarm_reads_about_as_much_per_peer_as_one_group() -> None:
+    # The issue's goal: DHT reads per peer per round within 1.5x from 8 to 64 peers. Sending every
+    # shard's rest to the prefix's board grouped everyone but read 961 records per peer (185 at 8).
+    def per_peer(count: int) -> float:
+        cfg = config(target_group_size=8, min_matchmaking_time=1.0)
+        total = 0.0
+        for seed in range(3):
+            dht = LaggingDHT(seed, 0.05)
+            simulate_round(
+                hashed_swarm(count, 8), cfg, swarm_size=count, seed=seed, max_lag=0.05, spread=0.5,
+                scheduled_time=1.0, dht=dht,
+            )  # fmt: skip
+            total += dht.records_read / count
+        return total / 3
+
+    assert per_peer(64) <= 1.5 * per_peer(8)
+
+
+def test_peers_that_wait_seconds_still_meet_in_full_groups_on_the_coarser_shard() -> None:
+    # Real peers wait seconds for their scheduled time (min_matchmaking_time 5 s): the rest of each shard
+    # falls back after SHARD_WAIT_POLLS and forms full groups there. Strays that visited the siblings then
+    # split full groups into groups of 2 and 3 (16 real peers in groups of 4, benchmarks/scale.py).
+    cfg = config(target_group_size=4, min_matchmaking_time=5.0, request_timeout=3.0)
+    for seed in range(5):
+        coordinates = hashed_swarm(16, 4, first=100 * seed)
+        result = simulate_round(
+            coordinates, cfg, swarm_size=16, seed=seed, max_lag=0.1, spread=0.3, read_time=0.1
+        )  # fmt: skip
+        assert sorted(g.size for g in committed(dict(result.groups))) == [4] * 4, f"seed {seed}"

@@ -116,10 +116,10 @@ Failure modes
   than about 1.5 ``request_timeout`` ago included, see :mod:`.lifetimes`) from every node that
   holds it. With a ``target_group_size``, peers carry rotation coordinates and, given the swarm's
   size (``expected_group_size``), read and write only
-  their shard's board, which expects between one and ``target_group_size`` groups; a peer whose
-  shard is too empty at its scheduled time falls back to the coarser shard's board (see
-  :mod:`.rotation`). Group bits (``initial_group_bits``, ``set_group_bits``) split the board the
-  way hivemind does instead.
+  their shard's board, which expects between one and ``target_group_size`` groups; a peer its
+  shard cannot place visits the sibling shards' boards, where a group with room takes it in, then
+  falls back to the coarser shard's board (see :mod:`.rotation`). Group bits
+  (``initial_group_bits``, ``set_group_bits``) split the board the way hivemind does instead.
 - *Hostile writers.* The DHT is open: records are validated and malformed ones skipped. Every
   record is signed by its writer's RSA key and believed only if it speaks for the peer that signed
   it (:mod:`.authenticity`): nobody can overwrite, withdraw or forge another peer's declaration,
@@ -368,8 +368,8 @@ class Matchmaker:
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
                     previous, state = state, result.state  # before the writes: if they are cancelled, withdraw from it
                     self._track_direct_group(previous, result)
-                    if result.fall_back:  # my shard is too empty: on to the coarser shard's board
-                        state, board = await self._fall_back(state.declaration), Board()
+                    if result.fall_back:  # my shard is too empty: on to a sibling's or the coarser shard's board
+                        state, board = await self._fall_back(state.declaration, result.hop), Board()
                         continue
                     if result.group is not None:
                         await self._finish(state, result.writes, result.group, declaration.deadline)
@@ -484,12 +484,13 @@ class Matchmaker:
             # members would never read the commit; withdrawing abandons it
             raise MatchmakingError("the group's commit could not be stored in the DHT")
 
-    async def _fall_back(self, declaration: Declaration) -> Looking:
-        """Withdraws ``declaration`` from its shard's board and moves this search to the coarser shard
-        (see :mod:`.rotation`); returns the new state, whose next step declares there."""
-        self.config, state, left = fall_back(declaration, get_dht_time(), self.config)
+    async def _fall_back(self, declaration: Declaration, hop: int = 0) -> Looking:
+        """Withdraws ``declaration`` from its shard's board and moves this search to the coarser shard,
+        or with ``hop`` (:attr:`.protocol.Step.hop`) to the next sibling shard as a stray (see
+        :mod:`.rotation`); returns the new state, whose next step declares there."""
+        self.config, state, left = fall_back(declaration, get_dht_time(), self.config, hop)
         self._store_nowait(left, board_key(declaration.prefix))
-        logger.debug("%s: shard %r too empty, falling back to %r", self.peer_id, declaration.prefix, self._key)
+        logger.debug("%s: shard %r too empty, moving to %r", self.peer_id, declaration.prefix, self._key)
         await self._install_signing(declaration.deadline)
         return state
 

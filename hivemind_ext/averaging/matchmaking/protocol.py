@@ -33,8 +33,8 @@ from hivemind_ext.averaging.matchmaking.group import (
     plausible,
 )
 from hivemind_ext.averaging.matchmaking.lifetimes import commit_writes, marker_record, seal_record
-from hivemind_ext.averaging.matchmaking.rotation import coarser
-from hivemind_ext.averaging.matchmaking.timing import plan_ahead
+from hivemind_ext.averaging.matchmaking.rotation import coarser, shard_depth, sibling
+from hivemind_ext.averaging.matchmaking.timing import plan_ahead, seal_time
 
 REFRESH_FRACTION = 2 / 3  # refresh a declaration once less than this share of its lifetime is left
 IGNORE_TIMEOUTS = 3  # request timeouts for which a peer that failed this one is left out of its plans
@@ -69,6 +69,15 @@ polls after the scheduled time, against a goal of 10). Only the leader's wait us
 with such a declaration as usual (session 7 stopped planning with it, and a DHT lagging past
 ``request_timeout`` then grouped nobody)."""
 
+HOLD_POLLS = 2
+"""A group sealed ahead with room on a sharded swarm's board (see :func:`_holds`) commits this many
+poll intervals before it starts, not as soon as its members confirmed."""
+HOP_WAIT_POLLS = 4
+"""A stray that came to a sibling shard's board moves on once it has been in no planned group for
+this many poll intervals and reads there: enough for a group with room to take it in (the leader reads
+it, seals anew, the stray reads that seal); after ``HOP_EMPTY_POLLS`` where the board shows nothing
+that could take it (no open group with room, nobody else looking)."""
+HOP_EMPTY_POLLS = 1
 EAGER_POLLS = 5  # for this many poll intervals after it starts looking, a peer reads at the urgent pace
 SHARD_WAIT_POLLS = 10
 """A peer that is in no planned group this many poll intervals and reads after it arrived on a
@@ -112,6 +121,7 @@ class Looking:
     dead: Dead = ()  # members of a group this peer led that missed their refresh: see :func:`_forget_dead`
     reopened: frozenset[str] = frozenset()  # peers this peer abandoned a group it led for: see :func:`_strays`
     leader_until: float = -math.inf  # when the planned leader's declaration expires, as last seen (_step_looking)
+    hops: int = 0  # sibling shards this search visited as a stray (see "Strays" in .rotation)
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,8 @@ class Step:
     it is final, and whether the board is about to change (a group is being formed with this peer),
     so that the next read should come sooner than ``poll_interval``. A final group's all-reduce
     starts no earlier than ``start_at`` (a group sealed ahead of its scheduled time). ``fall_back``:
-    this peer's shard is too empty, it should look on the coarser shard's board (:func:`fall_back`)."""
+    this peer's shard is too empty, it should look on the coarser shard's board (:func:`fall_back`);
+    ``hop``: with ``fall_back``, on the next sibling shard's board instead, its ``hop``-th visit there."""
 
     state: State
     writes: tuple[Write, ...] = ()
@@ -164,6 +175,7 @@ class Step:
     urgent: bool = False
     start_at: float = -math.inf
     fall_back: bool = False
+    hop: int = 0
 
 
 def step(state: State, now: float, board: Board, config: MatchmakingConfig, *, direct: bool = False) -> Step:
@@ -191,15 +203,21 @@ def withdrawal(state: State, now: float, config: MatchmakingConfig) -> tuple[Wri
     return (left,)
 
 
-def fall_back(me: Declaration, now: float, config: MatchmakingConfig) -> tuple[MatchmakingConfig, Looking, Write]:
-    """A looking peer moves to the coarser shard (see :mod:`.rotation`): the configuration to use from
-    now on, its new state (a fresh attempt that keeps its seniority and times, declared by its next
-    step), and the marker that withdraws the old attempt, to store on the old shard's board."""
+def fall_back(
+    me: Declaration, now: float, config: MatchmakingConfig, hop: int = 0
+) -> tuple[MatchmakingConfig, Looking, Write]:
+    """A looking peer moves to the coarser shard (see :mod:`.rotation`), or with ``hop`` (a
+    :attr:`Step.hop`) to the next sibling shard as a stray: the configuration to use from now on, its
+    new state (a fresh attempt that keeps its seniority and times, declared by its next step), and the
+    marker that withdraws the old attempt, to store on the old shard's board."""
     _, left = _mark(me, None, now, config)
-    coarse = replace(config, shard_depth=coarser(config.shard_depth))
+    if hop:
+        moved = replace(config, digits=sibling(config.digits, config.shard_depth, config.target_group_size or 1))
+    else:
+        moved = replace(config, shard_depth=coarser(config.shard_depth))
     member = replace(me.member, attempt=next_attempt(me.member.attempt))
-    fresh = replace(me, member=member, prefix=coarse.group_key, expiration=-math.inf)
-    return coarse, Looking(fresh, None, (), arrived=now), left
+    fresh = replace(me, member=member, prefix=moved.group_key, expiration=-math.inf, digits=moved.digits)
+    return moved, Looking(fresh, None, (), arrived=now, hops=hop), left
 
 
 def next_attempt(attempt: str) -> str:
@@ -251,14 +269,70 @@ def _step_looking(state: Looking, now: float, board: Board, config: MatchmakingC
         and now < state.leader_until  # its declaration did not simply expire (a leader that died)
         and _vanished(state.waiting_on[0], board)
     )
-    if stranded and config.shard_depth > 0 and (waited or now >= me.ready_at) and not lost:
-        return Step(Looking(me), refresh, fall_back=True)  # my shard is too empty: no full group here
+    if stranded and config.shard_depth > 0 and not lost:
+        hop = _hop(state, me, now, board, config, waited)
+        if hop is not None:  # my shard is too empty: no group for me here
+            return Step(Looking(me), refresh, fall_back=True, hop=hop)
     if mine is None or mine[0].member != me.member:
         # In a planned group: its leader seals soon. Just started looking: peers that start at the same
         # moment (as in synchronous training) are declaring right now. Either way, read again soon.
         eager = now < me.declared_at + EAGER_POLLS * config.poll_interval
         return Step(_waiting(state, me, mine, now, config), refresh, urgent=mine is not None or eager)
     return _lead(state, me, mine, now, config, start_at, direct)
+
+
+def _hop(
+    state: Looking, me: Declaration, now: float, board: Board, config: MatchmakingConfig, waited: bool
+) -> int | None:
+    """Where a peer in no planned group on a shard's board moves (see "Strays" in :mod:`.rotation`):
+    None: nowhere yet; 0: to the coarser shard; ``k``: to the next sibling shard, its ``k``-th visit.
+
+    On its own shard, a peer moves to a sibling once it would have been planned ahead
+    (:func:`.timing.seal_time`: a shard that can place it has sealed its group with it by then), or
+    to the coarser shard if ``SHARD_WAIT_POLLS`` come before that; on a
+    sibling it visits, after ``HOP_WAIT_POLLS`` (a group with room there takes it in meanwhile), or
+    ``HOP_EMPTY_POLLS`` where nothing there could. It visits the siblings in turn, round the ring and
+    its own shard again (a peer there may be looking for it by then: stopping after one round left one
+    alone, 32 simulated peers in groups of 4, seed 8), until its scheduled time, then falls back as
+    every peer did (and waits on the coarser shards as they do)."""
+    polls = HOP_EMPTY_POLLS if _nothing_for(me, now, board, config) else HOP_WAIT_POLLS
+    if state.hops:
+        arrived = me.declared_at if state.arrived is None else state.arrived
+        if state.reads < polls or now < arrived + polls * config.poll_interval:
+            return None
+        return state.hops + 1 if now < me.ready_at else 0
+    # not on the first reads after a group it was in broke up (it looks again under a new attempt, and
+    # reads 0): the shard's other peers of that group plan again with it. One that left at once was
+    # the last live peer in no group (1,000 simulated peers, 0% dying, seed 1)
+    # Long before its seal time, a peer in no group after SHARD_WAIT_POLLS falls back to the coarser shard
+    # as before, where the rests of the shards form full groups at once: visiting the siblings then (real
+    # peers wait seconds, min_matchmaking_time 5 s) split full groups up, into groups of 2 and 3 (16
+    # simulated peers in groups of 4, per-peer scheduled times 5 s on: 18 groups of 2 in 20 seeds)
+    if _first_shard(config):
+        if state.reads < polls:
+            return None
+        if now >= seal_time(me, config):
+            return 1 if now < me.ready_at else 0
+        return 0 if waited else None
+    return 0 if waited or now >= me.ready_at else None
+
+
+def _nothing_for(me: Declaration, now: float, board: Board, config: MatchmakingConfig) -> bool:
+    """Whether ``board`` shows nothing that could place a stray: no open group with room (it takes the
+    stray in, or abandons its seal to plan again with it: see :func:`_step_leading`), and nobody else
+    looking."""
+    target = config.target_group_size
+    room = any(is_open(g, now, board) and (target is None or len(g.members) < target) for g in board.sealed.values())
+    others = [d for d in looking_peers(now, board, config) if d.member.peer_id != me.member.peer_id]
+    return not room and not others
+
+
+def _first_shard(config: MatchmakingConfig) -> bool:
+    """Whether ``config`` is the finest shard of its swarm: the one its peers declare on first."""
+    target, expected = config.target_group_size, config.expected_group_size
+    if not config.shard_depth or target is None:
+        return False
+    return config.shard_depth == min(shard_depth(expected, target), len(config.digits))
 
 
 def _current(entries: Ignored, now: float) -> set[str]:
@@ -384,7 +458,13 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
     waiting = any(
         m.key not in state.gone and (_coming(m, group, me, now, board) or _dropped(m, group, board)) for m in others
     ) or _rivals(group, state, now, board, config)
-    if waiting and now < group.commit_by:
+    if waiting and now < group.commit_by and not _deserted(group, state, now, board, config):
+        # on a shard's board, a group that waits for a member takes a stray in meanwhile: a member that died
+        # held it until its declaration went stale, and the stray had moved on by then, to be left in no
+        # group (1,000 simulated peers, 2% dying, seed 4)
+        strays = _strays(group, state, state.declaration, now, board, config) if config.shard_depth else ()
+        if strays and all(d.member.key > me.key for d in strays):
+            return _taking_in(state, strays, now, config)
         return Step(state, urgent=True)
     members = tuple(m for m in group.members if m.key in confirmed)
     # a group sealed with only auxiliary members may commit as such; a mixed group whose contributors
@@ -396,15 +476,7 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         members = ()
     strays = _strays(group, state, state.declaration, now, board, config)
     if members and strays and all(d.member.key > me.key for d in strays):  # take them in (see _take_in)
-        taken = _take_in(group, strays, now, config, group.direct)
-        joined, confirm = _mark(state.declaration, taken, now, config)
-        writes = (seal_record(taken, config), *commit_writes(group, (), now, config), confirm)
-        reopened = state.reopened | {d.member.peer_id for d in strays}
-        return Step(
-            replace(state, declaration=joined, group=taken, full_until=-math.inf, reopened=reopened),
-            writes,
-            urgent=True,
-        )
+        return _taking_in(state, strays, now, config)
     settled = all(d.expiration - config.request_timeout <= now - config.poll_interval for d in strays)
     if members and strays and settled:
         # A stray below me would be the leader of the group that takes it in, which no seal of mine can
@@ -419,6 +491,8 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         abandoned = commit_writes(group, (), now, config)
         reopened = state.reopened | {d.member.peer_id for d in strays}
         return _retry(state.declaration, now, config, abandoned, state.ignored, replace(state, reopened=reopened))
+    if members and _holds(group, now, config):
+        return Step(state)
     commits = commit_writes(group, tuple(m.key for m in members), now, config)
     if not members:
         # whoever did not confirm is left out of my next plans (an honest one went to another group). Not
@@ -428,10 +502,63 @@ def _step_leading(state: Leading, now: float, board: Board, config: MatchmakingC
         # and one that only looked dead (a lagging DHT shows a live member's declaration before its refresh)
         # would be ignored by this leader while it plans this leader (8 peers in pairs, DHT lag 0.4 s: two
         # honest peers ignored each other until the deadline)
-        silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in state.gone}
+        # Nor, on a shard's board, one that left it (its marker says so): it moved to another shard's board,
+        # and may come back there as a stray (see _hop); ignored, it was not taken in, and was left in no
+        # group (32 simulated peers in groups of 4, seed 8)
+        moved = {m.key for m in others if config.shard_depth and board.markers.get(m.key, "") is None}
+        silent = {m.peer_id for m in others if m.key not in confirmed and m.key not in state.gone | moved}
         ignored = _ignore(state.ignored, silent, now, config)
         return _retry(state.declaration, now, config, commits, ignored, state)
     return Step(state, commits, GroupInfo(bytes.fromhex(group.group_id), members), start_at=group.start_at)
+
+
+def _deserted(group: SealedGroup, state: Leading, now: float, board: Board, config: MatchmakingConfig) -> bool:
+    """Whether a full group sealed before its scheduled time (:attr:`Leading.full_until`) on a shard's
+    board has lost a member for good: its marker names another group that it does not come back from
+    (:func:`_coming`, :func:`_dropped`), or that it left. Such a group commits short, which before the
+    scheduled time it does not (it is abandoned), so its leader abandons it at once instead of waiting
+    for the other members first: one that waited for a member that had died (until its declaration went
+    stale, most of ``request_timeout``) while the rest joined a lower leader's rival seal looked again
+    only after the shards' groups with room had committed, and was the last live peer in no group
+    (1,000 simulated peers, 2% dying, seeds 12 and 13)."""
+    if not config.shard_depth or now >= state.full_until:
+        return False
+    me = state.declaration.member
+    return any(
+        m.key in board.markers
+        and board.markers[m.key] != group.group_id
+        and not _coming(m, group, me, now, board)
+        and not _dropped(m, group, board)
+        for m in group.members
+        if m != me
+    )
+
+
+def _taking_in(state: Leading, strays: tuple[Declaration, ...], now: float, config: MatchmakingConfig) -> Step:
+    """The leader seals its group anew with ``strays`` (see :func:`_take_in`) and abandons the old seal."""
+    group = state.group
+    taken = _take_in(group, strays, now, config, group.direct)
+    joined, confirm = _mark(state.declaration, taken, now, config)
+    writes = (seal_record(taken, config), *commit_writes(group, (), now, config), confirm)
+    reopened = state.reopened | {d.member.peer_id for d in strays}
+    return Step(
+        replace(state, declaration=joined, group=taken, full_until=-math.inf, reopened=reopened), writes, urgent=True
+    )
+
+
+def _holds(group: SealedGroup, now: float, config: MatchmakingConfig) -> bool:
+    """Whether the leader of ``group``, sealed ahead with room on a board of a sharded swarm, holds its
+    commit until :data:`HOLD_POLLS` poll intervals before the group starts, so that a stray that comes
+    to the board until then (a sibling shard's, see "Strays" in :mod:`.rotation`) finds it open and is
+    taken in (:func:`_strays`). Committed as soon as its members confirmed, such a group was final
+    long before the scheduled time, and the stray that came a moment later was the last live peer in
+    no group (64 simulated peers in groups of 8, 14 of 20 seeds). Its start does not change: a group
+    sealed ahead starts at its scheduled time anyway."""
+    target, expected = config.target_group_size, config.expected_group_size
+    if target is None or expected is None or not config.digits or len(group.members) >= target:
+        return False
+    sharded = config.shard_depth > 0 or shard_depth(expected, target) > 0
+    return sharded and now < group.start_at - HOLD_POLLS * config.poll_interval
 
 
 def _lowest_leader(group: SealedGroup) -> tuple[PeerKey, str]:
@@ -474,7 +601,7 @@ def _strays(
     board takes in (see :func:`_take_in`): fewer than ``min_group_size`` of them besides the group,
     so that no plan places them, and room for them in the group. Empty: none, or the group does not."""
     target, members = config.target_group_size, {m.peer_id for m in group.members}
-    if config.shard_depth or not is_open(group, now, board) or (target is not None and len(members) >= target):
+    if not is_open(group, now, board) or (target is not None and len(members) >= target):
         return ()
     ignored = _current(state.ignored, now)
     if isinstance(state, Looking) and ignored & members:
@@ -484,10 +611,16 @@ def _strays(
     moved = {d.member.peer_id for d in board.declarations.values() if d.member.key not in group.keys} & members
     left_out = ignored | (members - moved) | state.reopened
     dead = dict(state.dead)
+    # nor a declaration that missed its refresh (STALE_LEFT): the peer died. Counted, it and a stray made
+    # two, as if they could form a group of their own, and the group did not take the stray in: the last
+    # live peer in no group (1,000 simulated peers, 2% dying, seed 0)
     overlay = {
         key: d
         for key, d in board.declarations.items()
-        if d.member.peer_id not in left_out and d.expiration > dead.get(key, -math.inf)
+        if d.member.peer_id not in left_out
+        and d.expiration > dead.get(key, -math.inf)
+        and not _stale(d, now, config)
+        and (not config.shard_depth or _fresh(d, now, config))
     }
     if isinstance(state, Looking):
         overlay[me.member.key] = me
@@ -524,9 +657,11 @@ def _take_in(
     kept = (m for m in group.members if m.peer_id not in again)
     members = tuple(sorted((*kept, *(d.member for d in strays)), key=lambda m: m.key))
     commit_by = min(group.commit_by, min(d.deadline for d in strays) - config.poll_interval)
-    return SealedGroup(
-        group_id_for(members), members, commit_by, group.start_at if group.start_at > now else -math.inf, direct
-    )
+    # a group sealed ahead starts when its first member is due (.timing.group_start): a stray due earlier
+    # than the group's start took the seal for one it would not join (.group.plausible), and the leader
+    # waited for it until commit_by (44 simulated peers in groups of 4, one dead: 17.5 polls)
+    start_at = min(group.start_at, *(d.ready_at for d in strays))
+    return SealedGroup(group_id_for(members), members, commit_by, start_at if start_at > now else -math.inf, direct)
 
 
 def _step_following(state: Following, now: float, board: Board, config: MatchmakingConfig) -> Step:
@@ -546,7 +681,8 @@ def _step_following(state: Following, now: float, board: Board, config: Matchmak
         return _retry(me, now, config, (), state.ignored, state)
     if now > group.commit_by + config.request_timeout:  # the leader is gone: leave, so a late commit skips me
         return leader_failed(state, now, config)
-    return Step(state, urgent=True)
+    # a group held open (_holds) commits a while from now: read at the usual pace until then
+    return Step(state, urgent=not _holds(group, now + 2 * config.poll_interval, config))
 
 
 def leader_failed(state: Following, now: float, config: MatchmakingConfig) -> Step:
@@ -588,6 +724,12 @@ def _coming(member: Member, group: SealedGroup, me: Member, now: float, board: B
         return True
     joined = board.markers[member.key]
     other = board.sealed.get(joined) if joined is not None and joined != group.group_id else None
+    if other is not None and other.leader == me:
+        # it joined my seal before this one, which I abandoned to take a stray in (_take_in): it joins this
+        # one once it reads that. A read of mine that did not show that abandonment yet showed the old seal
+        # open, and the group (full with the stray) committed without it (1,000 simulated peers, seed 7).
+        # Bounded by commit_by: one that died after it confirmed costs what a silent member costs
+        return True
     if other is None or not is_open(other, now, board):
         return False
     return other.leader.key in group.keys and other.leader.key > me.key
@@ -600,6 +742,15 @@ def _stale(declaration: Declaration | None, now: float, config: MatchmakingConfi
         return False
     left = declaration.expiration - now
     return declaration.expiration < declaration.deadline and left < STALE_LEFT * config.request_timeout
+
+
+def _fresh(declaration: Declaration, now: float, config: MatchmakingConfig) -> bool:
+    """Whether a declaration was refreshed lately, as a live looking peer's is (see :data:`REFRESH_FRACTION`),
+    give or take the lag of a read. On a shard's board only such a peer is a stray to take in, or to
+    abandon a group for (:func:`_strays`): a peer that died after declaring there stays on the board until
+    its declaration expires, and a group that abandoned its seal for one below its leader then waited for
+    it as its planned leader (1,000 simulated peers, 2% dying, seed 18: 11.8 polls)."""
+    return declaration.expiration - now >= REFRESH_FRACTION * config.request_timeout - 3 * config.poll_interval
 
 
 def _dropped(member: Member, group: SealedGroup, board: Board) -> bool:

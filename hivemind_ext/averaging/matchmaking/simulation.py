@@ -187,7 +187,7 @@ def _poll(peer: SimulatedPeer, dht: LaggingDHT, rnd: random.Random, read_time: f
     result = step(peer.state, now, board, peer.config)
     peer.state = result.state
     if result.fall_back:
-        peer.config, peer.state, left = fall_back(result.state.declaration, now, peer.config)
+        peer.config, peer.state, left = fall_back(result.state.declaration, now, peer.config, result.hop)
         dht.store(key, left, now)
         peer.next_time = now + _read_delay(rnd, read_time)  # declares on the coarser board at once
         return
