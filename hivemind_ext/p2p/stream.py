@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from hivemind_ext.errors import DeadlineExceededError
+from hivemind_ext.errors import DeadlineExceededError, PeerUnreachableError, ProtocolError
 from hivemind_ext.p2p.deadlines import now, wait_until
 from hivemind_ext.p2p.framing import (
     ByteReader,
@@ -64,7 +64,11 @@ class FramedStream:
         limits: Limits,
         account: ReceiveAccount | None = None,
         send_limits: Limits | None = None,
+        preamble: bytes | None = None,
     ) -> None:
+        """``preamble``: bytes the peer sends before its first frame, checked by the first receive
+        (the ACCEPTED byte of a reused direct connection, see direct_wire); anything else fails it
+        with a ProtocolError."""
         tune_transport(writer)
         self.reader, self.writer, self.limits = reader, writer, limits
         self.send_limits = send_limits if send_limits is not None else limits  # what this side may send
@@ -74,6 +78,11 @@ class FramedStream:
         self._send_interrupted = False
         self._finished_sending = False  # an END or ERROR frame went out: nothing may follow it
         self._receive_lock = asyncio.Lock()
+        self._preamble = preamble
+        self.received_end = False  # an END frame was received: the peer sends nothing more on this call
+        # takes the connection back for another call (a direct connection's, set by the client)
+        self.release: Callable[[], None] | None = None
+        self._released = False  # the connection was handed on: close() and abort() leave it alone
 
     async def send(
         self,
@@ -121,9 +130,42 @@ class FramedStream:
     async def receive(self, deadline: float, idle_timeout: float | None = None) -> Frame:
         """The next frame, by ``deadline``; ``idle_timeout``: see :func:`~hivemind_ext.p2p.framing.read_frame`."""
         async with self._receive_lock:
-            return await read_frame(
+            if self._preamble is not None:
+                await self._receive_preamble(deadline)
+            frame = await read_frame(
                 self.reader, limits=self.limits, deadline=deadline, account=self.account, idle_timeout=idle_timeout
             )
+            if frame.kind is FrameKind.END:
+                self.received_end = True
+            return frame
+
+    async def _receive_preamble(self, deadline: float) -> None:
+        expected = self._preamble
+        assert expected is not None
+        try:
+            received = await wait_until(self.reader.readexactly(len(expected)), deadline, "reading a stream's preamble")
+        except asyncio.IncompleteReadError:
+            raise PeerUnreachableError("the stream ended before its first frame") from None
+        except (ConnectionError, OSError) as e:
+            raise PeerUnreachableError(f"the stream broke before its first frame: {type(e).__name__}") from e
+        if received != expected:
+            raise ProtocolError(f"the peer refused the call (answered {received!r} before its first frame)")
+        self._preamble = None
+
+    @property
+    def reusable(self) -> bool:
+        """Whether the connection under this stream may carry another call: nothing is left half
+        written or unread, and the connection is still open (only a direct connection can be)."""
+        reader_clean = getattr(self.reader, "reusable", None)
+        return (
+            self._preamble is None
+            and not self._send_interrupted
+            and not self._send_lock.locked()
+            and not self._receive_lock.locked()
+            and not self.writer.is_closing()
+            and reader_clean is not None
+            and bool(reader_clean)
+        )
 
     async def wait_peer_gone(self) -> bool:
         """Waits until the peer closes the stream (True) or sends more bytes (False), consuming them.
@@ -163,7 +205,7 @@ class FramedStream:
     def close(self) -> None:
         """Flushes what was written, then closes; aborts if the flush takes longer than the grace period
         (or at once if a frame was cut short: flushing half a frame helps no one)."""
-        if self.writer.is_closing():
+        if self._released or self.writer.is_closing():
             return
         if self._send_interrupted:
             self.abort()
@@ -171,6 +213,18 @@ class FramedStream:
         self.writer.close()
         asyncio.get_running_loop().call_later(CLOSE_GRACE_SECONDS, _abort_if_still_flushing, self.writer.transport)
 
+    def release_or_close(self) -> None:
+        """After a call that ended cleanly: hands the connection to ``release`` if it can carry
+        another call (:attr:`reusable`), else closes it. The stream is not used afterwards."""
+        release, self.release = self.release, None
+        if release is not None and self.reusable:
+            self._released = True
+            release()
+        else:
+            self.close()
+
     def abort(self) -> None:
         """Closes immediately, dropping anything not yet written (for interrupted or broken streams)."""
+        if self._released:
+            return
         self.writer.transport.abort()

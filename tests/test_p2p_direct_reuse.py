@@ -1,0 +1,161 @@
+"""Reuse of direct connections across calls to the same peer (see direct_wire): sequential calls
+share one TCP connection; a connection the server closed while idle is replaced; garbage as the
+next handler name closes only that connection; idle connections expire and are bounded on both sides.
+
+Real daemons on 127.0.0.1 (run under the bench lock, like tests/test_p2p_direct.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from test_p2p import async_test, wait_for_no_p2p_tasks
+from test_p2p_direct import ALLOW_PLAINTEXT, LOOPBACK_DIRECT, MB, Pair, pair
+
+from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Message, RPCContext
+from hivemind_ext.p2p.direct_client import DirectConnector
+from hivemind_ext.p2p.direct_server import DirectListener
+
+
+async def nap(request: Message, context: RPCContext) -> Message:
+    await asyncio.sleep(0.3)
+    return Message({"transport": context.transport})
+
+
+def parts(peers: Pair) -> tuple[DirectConnector, DirectListener]:
+    assert peers.client.direct is not None and peers.server.direct_listener is not None
+    return peers.client.direct, peers.server.direct_listener
+
+
+async def eventually(condition, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+@async_test
+async def test_sequential_calls_to_one_peer_share_one_connection() -> None:
+    async with pair() as peers:
+        connector, listener = parts(peers)
+        await peers.whoami(os.urandom(3 * MB))
+        for _ in range(10):  # more calls than tokens per ticket: no ticket call is needed either
+            assert (await peers.whoami()).header["transport"] == "direct"
+        requests = [Message({"i": i}, os.urandom(size)) for i, size in enumerate((0, 2 * MB, 10))]
+        for _ in range(2):
+            async with peers.client.stream(peers.peer, "echo_stream", requests, timeout=30) as responses:
+                received = [bytes(response.payload) async for response in responses]
+            assert received == [bytes(r.payload) for r in requests]
+        assert (await peers.whoami()).header["transport"] == "direct"
+        assert listener.accepted == 1
+        assert (connector.opened, connector.reused) == (1, 13)
+        assert connector.idle_count(peers.peer) == 1
+
+
+@async_test
+async def test_plaintext_connections_are_reused_too() -> None:
+    async with pair(DirectConfig(host="127.0.0.1", plaintext=True), ALLOW_PLAINTEXT) as peers:
+        _, listener = parts(peers)
+        for _ in range(3):
+            assert (await peers.whoami()).header["transport"] == "direct-plaintext"
+        assert listener.accepted == 1
+
+
+@async_test
+async def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
+    async with pair() as peers:
+        connector, listener = parts(peers)
+        await peers.whoami()
+        assert len(listener.idle) == 1
+        listener.idle.close_all()  # as its idle bound or a restart would
+        await asyncio.sleep(0.1)
+        assert (await peers.whoami()).header["transport"] == "direct"
+        assert listener.accepted == 2 and connector.opened == 2 and connector.reused == 0
+        assert (await peers.whoami()).header["transport"] == "direct"
+        assert listener.accepted == 2
+
+
+@async_test
+async def test_garbage_as_the_next_handler_name_closes_only_that_connection() -> None:
+    plaintext = DirectConfig(host="127.0.0.1", plaintext=True)
+    for direct, client_config in ((LOOPBACK_DIRECT, None), (plaintext, ALLOW_PLAINTEXT)):
+        async with pair(direct, client_config) as peers:
+            connector, _ = parts(peers)
+            await peers.whoami()
+            hostile = connector._take_idle(peers.peer)
+            assert hostile is not None
+            reader, writer = hostile.connection
+            call = asyncio.ensure_future(peers.whoami())  # a call on another connection
+            await asyncio.sleep(0)
+            writer.write(b"\xff\xff" + os.urandom(300))  # a handler name longer than any allowed
+            await asyncio.wait_for(reader.read(1), 5)  # closed by the server, nothing answered
+            assert reader.at_eof()
+            assert (await call).header["transport"] in ("direct", "direct-plaintext")
+            writer.transport.abort()
+            # raw bytes outside the records on an encrypted connection: closed the same way
+            await peers.whoami()
+            hostile = connector._take_idle(peers.peer)
+            assert hostile is not None
+            reader, writer = hostile.connection
+            writer.transport.write(os.urandom(100))
+            await asyncio.wait_for(reader.read(1), 5)
+            assert reader.at_eof()
+            writer.transport.abort()
+            assert (await peers.whoami()).header["transport"] in ("direct", "direct-plaintext")
+    await wait_for_no_p2p_tasks()
+
+
+@async_test
+async def test_idle_connections_expire_on_both_sides() -> None:
+    async with pair(DirectConfig(host="127.0.0.1", idle_timeout=0.8)) as peers:
+        connector, listener = parts(peers)
+        await peers.whoami()
+        assert connector.idle_count() == 1 and len(listener.idle) == 1
+        await eventually(lambda: connector.idle_count() == 0, 2)  # the client's: 3/4 of the server's 0.8 s
+        await eventually(lambda: len(listener.idle) == 0, 2)  # the server saw it closed
+        await peers.whoami()
+        held = connector._take_idle(peers.peer)  # kept open by a caller that never calls again
+        assert held is not None and len(listener.idle) == 1
+        started = time.monotonic()
+        await asyncio.wait_for(held.connection[0].read(1), 5)
+        assert held.connection[0].at_eof() and 0.6 < time.monotonic() - started < 3
+        assert len(listener.idle) == 0
+        held.close()
+        assert (await peers.whoami()).header["transport"] == "direct"
+        assert listener.accepted == 3
+
+
+@async_test
+async def test_idle_connections_are_bounded_per_peer_on_both_sides() -> None:
+    async with pair(client_config=DirectClientConfig(max_idle_per_peer=3)) as peers:
+        await peers.server.add_unary("nap", nap)
+        connector, listener = parts(peers)
+        calls = [peers.client.call(peers.peer, "nap", Message({}), timeout=10) for _ in range(5)]
+        assert {r.header["transport"] for r in await asyncio.gather(*calls)} == {"direct"}
+        assert listener.accepted == 5
+        assert connector.idle_count(peers.peer) == 3
+        await eventually(lambda: len(listener.idle) == 3)  # the client closed the two beyond its bound
+    async with pair(DirectConfig(host="127.0.0.1", max_idle_per_peer=2)) as peers:
+        await peers.server.add_unary("nap", nap)
+        connector, listener = parts(peers)
+        calls = [peers.client.call(peers.peer, "nap", Message({}), timeout=10) for _ in range(5)]
+        assert {r.header["transport"] for r in await asyncio.gather(*calls)} == {"direct"}
+        assert listener.idle.count(peers.client_p2p.peer_id) == 2  # the server closed its three oldest
+        await asyncio.sleep(0.1)
+        for _ in range(4):  # the client skips the closed ones and reuses the two left
+            assert (await peers.whoami()).header["transport"] == "direct"
+        assert listener.accepted == 5
+    await wait_for_no_p2p_tasks()
+
+
+@async_test
+async def test_stopping_the_listener_closes_idle_connections() -> None:
+    async with pair() as peers:
+        connector, listener = parts(peers)
+        await peers.whoami()
+        listener.stop_accepting()
+        await asyncio.sleep(0.05)
+        assert (await peers.whoami()).header["transport"] == "libp2p"
+        assert connector.idle_count() == 0
