@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
 
 from test_p2p import async_test, wait_for_no_p2p_tasks
 from test_p2p_direct import ALLOW_PLAINTEXT, LOOPBACK_DIRECT, MB, Pair, pair
@@ -159,3 +160,25 @@ async def test_stopping_the_listener_closes_idle_connections() -> None:
         await asyncio.sleep(0.05)
         assert (await peers.whoami()).header["transport"] == "libp2p"
         assert connector.idle_count() == 0
+
+
+async def first_only(requests: AsyncIterator[Message], context: RPCContext) -> AsyncIterator[Message]:
+    async for request in requests:
+        await asyncio.sleep(0.2)  # the caller's other requests and its END arrive meanwhile, unread
+        yield request
+        return
+
+
+@async_test
+async def test_a_stream_whose_handler_left_requests_unread_is_not_reused() -> None:
+    async with pair() as peers:
+        await peers.server.add_stream("first_only", first_only)
+        connector, listener = parts(peers)
+        requests = [Message({"i": i}, b"x" * 100) for i in range(3)]
+        async with peers.client.stream(peers.peer, "first_only", requests, timeout=30) as responses:
+            assert [r.header["i"] async for r in responses] == [0]
+        assert connector.idle_count() == 0  # the server's END did not offer the connection for reuse
+        started = time.monotonic()
+        assert (await peers.whoami(timeout=20)).header["transport"] == "direct"
+        assert time.monotonic() - started < 2
+        assert listener.accepted == 2

@@ -41,7 +41,7 @@ from hivemind_ext.errors import (
 )
 from hivemind_ext.p2p.deadlines import now, remaining, resolve_deadline, wait_until
 from hivemind_ext.p2p.direct_client import DirectClientConfig, DirectConnector
-from hivemind_ext.p2p.direct_wire import ACCEPTED, TICKET_HANDLER, Transport
+from hivemind_ext.p2p.direct_wire import ACCEPTED, REUSE_END_KEY, TICKET_HANDLER, Transport
 from hivemind_ext.p2p.framing import Frame, FrameKind, encode_frame_head, open_header, protocol_name
 from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.stream import FramedStream
@@ -231,6 +231,7 @@ class ClientStream:
         self._stream, self.peer_id, self.name, self.deadline = stream, peer_id, name, deadline
         self._ended_requests = False
         self._ended_responses = False
+        self._server_waits = False  # the server's END says it read ours and waits for the next call
         self._failure: BaseException | None = None
 
     def _deadline(self, timeout: float | None, deadline: float | None) -> float:
@@ -317,6 +318,7 @@ class ClientStream:
             return Message(frame.header, frame.payload)
         if frame.kind is FrameKind.END:
             self._ended_responses = True
+            self._server_waits = frame.header.get(REUSE_END_KEY) is True
             return None
         error: HivemindExtError
         if frame.kind is FrameKind.ERROR:
@@ -366,8 +368,10 @@ class ClientStream:
         next call), at once otherwise. Never waits."""
         if self._failure is not None or not (self._ended_requests and self._ended_responses):
             self._stream.abort()
-        else:
+        elif self._server_waits:
             self._stream.release_or_close()
+        else:
+            self._stream.close()
 
     async def __aenter__(self) -> ClientStream:
         return self

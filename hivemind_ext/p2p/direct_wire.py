@@ -45,7 +45,8 @@ connection carries one call, framed as over libp2p (:mod:`~hivemind_ext.p2p.fram
 OPEN, MESSAGE..., END/ERROR).
 
 Reuse (servers whose tickets say "reuse"): after a call that ended cleanly (a unary call answered
-with a MESSAGE; a streaming call whose requests and responses both ended with END), the caller may
+with a MESSAGE; a streaming call whose requests and responses both ended with END, the server's
+END carrying ``{"reuse": True}``: it read the caller's END, which its handler need not), the caller may
 send the next call on the same connection, in the same records (the record counters go on, so no
 nonce repeats): the handler name as above, then at once the call's frames, without waiting; the
 server answers ACCEPTED (or REJECTED and close) before the call's frames, for the same caller
@@ -78,6 +79,8 @@ MAX_HANDLER_NAME_BYTES = 200  # the same bound as protocol_name()
 MAX_TOKENS_PER_TICKET = 16
 ACCEPTED = b"\x01"
 REJECTED = b"\x00"
+# in the END frame of a direct streaming call: the server read the caller's END and waits for its next call
+REUSE_END_KEY = "reuse"
 
 
 def encode_hello(token: bytes) -> bytes:

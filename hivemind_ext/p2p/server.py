@@ -507,9 +507,12 @@ class RPCServer:
                 answered_by = await serve_call(route, peer_id, stream, transport)
                 if answered_by is not None:
                     linger = max(linger, answered_by - now())
-                    clean = reusable and (route.kind == "unary" or stream.received_end) and stream.reusable
-                    if clean:
-                        return True
+                    if reusable and (route.kind == "unary" or stream.received_end):  # the caller may reuse it
+                        if stream.reusable:
+                            clean = True
+                            return True
+                        stream.abort()  # at once (no linger): a caller that kept it sees it ended
+                        return False
             await stream.linger(linger)
         except asyncio.CancelledError:
             report(stream, ErrorKind.UNAVAILABLE, ClosedError("the server is shutting down"))

@@ -27,7 +27,7 @@ from hivemind_ext.errors import (
     ProtocolError,
 )
 from hivemind_ext.p2p.deadlines import check_durations, now, remaining, wait_until
-from hivemind_ext.p2p.direct_wire import Transport
+from hivemind_ext.p2p.direct_wire import REUSE_END_KEY, Transport
 from hivemind_ext.p2p.framing import FrameKind, encode_frame_head, parse_open
 from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.stream import FramedStream
@@ -130,6 +130,11 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    @property
+    def ended(self) -> bool:
+        """The caller's END arrived (and nothing failed): every request was read."""
+        return self._ended and self.error is None
+
     async def __anext__(self) -> Message:
         message = await self.receive()
         if message is None:
@@ -210,7 +215,10 @@ async def _serve_stream(route: Route, stream: FramedStream, context: RPCContext)
         await wait_until(_pump_responses(route, requests, stream, context), context.deadline, f"handler {route.name}")
         if requests.error is not None:  # the handler swallowed a broken request stream: don't pretend success
             raise requests.error
-        await stream.send(FrameKind.END, {}, memoryview(b""), context.deadline)
+        # a direct connection whose requests all arrived may carry the caller's next call: the END says
+        # so, since only this side knows whether the handler read the caller's END (see direct_wire)
+        end = {REUSE_END_KEY: True} if context.transport != "libp2p" and requests.ended else {}
+        await stream.send(FrameKind.END, end, memoryview(b""), context.deadline)
         return True
     except _HandlerFailed as failure:
         if requests.error is not None:  # the handler failed because the request stream did
