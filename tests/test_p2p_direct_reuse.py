@@ -182,3 +182,16 @@ async def test_a_stream_whose_handler_left_requests_unread_is_not_reused() -> No
         assert (await peers.whoami(timeout=20)).header["transport"] == "direct"
         assert time.monotonic() - started < 2
         assert listener.accepted == 2
+
+
+@async_test
+async def test_closing_the_client_closes_its_idle_connections() -> None:
+    async with pair() as peers:
+        connector, listener = parts(peers)
+        await peers.whoami()
+        assert connector.idle_count() == 1
+        peers.client.close()
+        assert connector.idle_count() == 0
+        await eventually(lambda: len(listener.idle) == 0)  # the server saw the caller hang up
+        assert (await peers.whoami()).header["transport"] == "direct"
+        assert listener.accepted == 2
