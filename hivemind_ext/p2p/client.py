@@ -234,6 +234,11 @@ class ClientStream:
         self._server_waits = False  # the server's END says it read ours and waits for the next call
         self._failure: BaseException | None = None
 
+    @property
+    def direct(self) -> bool:
+        """Whether this call runs on a direct connection that may carry the next call once it ends cleanly."""
+        return self._stream.release is not None
+
     def _deadline(self, timeout: float | None, deadline: float | None) -> float:
         if timeout is None and deadline is None:
             return self.deadline

@@ -509,6 +509,7 @@ class RPCServer:
                     linger = max(linger, answered_by - now())
                     if reusable and (route.kind == "unary" or stream.received_end):  # the caller may reuse it
                         if stream.reusable:
+                            await stream.flush(now() + linger)  # the call ends once its last frame left
                             clean = True
                             return True
                         stream.abort()  # at once (no linger): a caller that kept it sees it ended
@@ -526,4 +527,5 @@ class RPCServer:
                 del route.calls_per_peer[peer_id]
             if not clean:
                 stream.close()
+            stream.mark_call_ended()
         return False

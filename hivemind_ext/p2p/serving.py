@@ -130,6 +130,12 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    def call_ended(self) -> asyncio.Future[None]:
+        """Done once the server is through with this call (see ``FramedStream.call_ended``): a
+        handler that must know its responses were delivered waits for this, not for its task,
+        which may go on serving the caller's next call on the same direct connection."""
+        return self._stream.call_ended()
+
     @property
     def ended(self) -> bool:
         """The caller's END arrived (and nothing failed): every request was read."""

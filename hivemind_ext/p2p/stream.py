@@ -38,6 +38,7 @@ WRITE_BUFFER_LOW = 1024 * 1024
 # that stops reading cannot pin our buffers forever.
 CLOSE_GRACE_SECONDS = 10.0
 LINGER_READ_BYTES = 256 * 1024
+FLUSH_POLL_SECONDS = 0.002
 
 
 def tune_transport(writer: asyncio.StreamWriter) -> None:
@@ -83,6 +84,8 @@ class FramedStream:
         # takes the connection back for another call (a direct connection's, set by the client)
         self.release: Callable[[], None] | None = None
         self._released = False  # the connection was handed on: close() and abort() leave it alone
+        self._call_ended: asyncio.Future[None] | None = None
+        self._call_over = False
 
     async def send(
         self,
@@ -212,6 +215,26 @@ class FramedStream:
             return
         self.writer.close()
         asyncio.get_running_loop().call_later(CLOSE_GRACE_SECONDS, _abort_if_still_flushing, self.writer.transport)
+
+    def call_ended(self) -> asyncio.Future[None]:
+        """Done once the server is through with the call on this stream: the stream closed, or (a
+        direct connection kept for the next call) the call's last frame flushed to the socket."""
+        if self._call_ended is None:
+            self._call_ended = asyncio.get_running_loop().create_future()
+            if self._call_over:
+                self._call_ended.set_result(None)
+        return self._call_ended
+
+    def mark_call_ended(self) -> None:
+        self._call_over = True
+        if self._call_ended is not None and not self._call_ended.done():
+            self._call_ended.set_result(None)
+
+    async def flush(self, deadline: float) -> None:
+        """Waits (until ``deadline`` at most) until what was written has left for the socket."""
+        transport = self.writer.transport
+        while transport.get_write_buffer_size() > 0 and not transport.is_closing() and now() < deadline:
+            await asyncio.sleep(FLUSH_POLL_SECONDS)
 
     def release_or_close(self) -> None:
         """After a call that ended cleanly: hands the connection to ``release`` if it can carry
