@@ -15,9 +15,14 @@ from collections.abc import AsyncIterator
 from test_p2p import async_test, wait_for_no_p2p_tasks
 from test_p2p_direct import ALLOW_PLAINTEXT, LOOPBACK_DIRECT, MB, Pair, pair
 
-from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Message, RPCContext
+from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Limits, Message, RPCContext
+from hivemind_ext.p2p.deadlines import now
 from hivemind_ext.p2p.direct_client import DirectConnector
 from hivemind_ext.p2p.direct_server import DirectListener
+from hivemind_ext.p2p.direct_transport import open_direct_connection
+from hivemind_ext.p2p.direct_wire import ACCEPTED, REUSE_END_KEY, encode_handler_name, encode_hello
+from hivemind_ext.p2p.framing import FrameKind, encode_frame_head, open_header
+from hivemind_ext.p2p.stream import FramedStream
 
 
 async def nap(request: Message, context: RPCContext) -> Message:
@@ -195,3 +200,33 @@ async def test_closing_the_client_closes_its_idle_connections() -> None:
         await eventually(lambda: len(listener.idle) == 0)  # the server saw the caller hang up
         assert (await peers.whoami()).header["transport"] == "direct"
         assert listener.accepted == 2
+
+
+@async_test
+async def test_a_next_call_sent_right_behind_the_last_one_is_served() -> None:
+    """The caller may send its next call as soon as it has the server's END: bytes of the next call
+    already received when the server ends a call must not make it drop the connection."""
+    async with pair(DirectConfig(host="127.0.0.1", plaintext=True), ALLOW_PLAINTEXT) as peers:
+        _, listener = parts(peers)
+        ticket = await peers.ticket()
+        reader, writer = await open_direct_connection("127.0.0.1", ticket.port)
+        stream = FramedStream(reader, writer, Limits(max_payload_bytes=MB))
+
+        def call(name: str, payloads: list[bytes]) -> bytes:
+            frames = [encode_frame_head(FrameKind.OPEN, open_header(10), 0, Limits())]
+            for payload in payloads:
+                frames += [encode_frame_head(FrameKind.MESSAGE, {}, len(payload), Limits()), payload]
+            frames.append(encode_frame_head(FrameKind.END, {}, 0, Limits()))
+            return encode_handler_name(name) + b"".join(frames)
+
+        first, second = [b"a" * 10, b"b" * 20], [b"c" * 30]
+        writer.write(encode_hello(ticket.tokens[0]) + call("echo_stream", first) + call("echo_stream", second))
+        for payloads in (first, second):
+            assert await reader.readexactly(1) == ACCEPTED
+            for payload in payloads:
+                frame = await stream.receive(now() + 5)
+                assert frame.kind is FrameKind.MESSAGE and bytes(frame.payload) == payload
+            end = await stream.receive(now() + 5)
+            assert end.kind is FrameKind.END and end.header == {REUSE_END_KEY: True}
+        assert listener.accepted == 1 and len(listener.idle) == 1
+        writer.transport.abort()

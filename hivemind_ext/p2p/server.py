@@ -508,7 +508,7 @@ class RPCServer:
                 if answered_by is not None:
                     linger = max(linger, answered_by - now())
                     if reusable and (route.kind == "unary" or stream.received_end):  # the caller may reuse it
-                        if stream.reusable:
+                        if stream.can_carry_next_call:
                             await stream.flush(now() + linger)  # the call ends once its last frame left
                             clean = True
                             return True

@@ -157,17 +157,25 @@ class FramedStream:
 
     @property
     def reusable(self) -> bool:
-        """Whether the connection under this stream may carry another call: nothing is left half
-        written or unread, and the connection is still open (only a direct connection can be)."""
+        """Whether the connection under this stream may carry another call (the caller's check, once
+        the server has ended the call): nothing is left half written or unread, and the connection
+        is still open (only a direct connection can be)."""
         reader_clean = getattr(self.reader, "reusable", None)
+        return self.can_carry_next_call and reader_clean is not None and bool(reader_clean)
+
+    @property
+    def can_carry_next_call(self) -> bool:
+        """The server's check after a call that ended cleanly: nothing is left half written, no read
+        is in progress and the connection did not fail. Bytes already received are allowed: they are
+        the caller's next call, which may follow our END at once."""
+        exception = getattr(self.reader, "exception", None)
         return (
             self._preamble is None
             and not self._send_interrupted
             and not self._send_lock.locked()
             and not self._receive_lock.locked()
             and not self.writer.is_closing()
-            and reader_clean is not None
-            and bool(reader_clean)
+            and (exception is None or exception() is None)
         )
 
     async def wait_peer_gone(self) -> bool:
