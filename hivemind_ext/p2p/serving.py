@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,6 +36,9 @@ from hivemind_ext.p2p.tasks import TaskOwner
 from hivemind_ext.p2p.wire_errors import ErrorKind, error_header, error_kind_of
 
 logger = logging.getLogger(__name__)
+
+# how long a direct streaming call whose handler finished waits for the caller's END (see _await_caller_end)
+CALLER_END_GRACE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +227,8 @@ async def _serve_stream(route: Route, stream: FramedStream, context: RPCContext)
             raise requests.error
         # a direct connection whose requests all arrived may carry the caller's next call: the END says
         # so, since only this side knows whether the handler read the caller's END (see direct_wire)
+        if context.transport != "libp2p" and not requests.ended:
+            await _await_caller_end(requests)
         end = {REUSE_END_KEY: True} if context.transport != "libp2p" and requests.ended else {}
         await stream.send(FrameKind.END, end, memoryview(b""), context.deadline)
         return True
@@ -234,6 +240,15 @@ async def _serve_stream(route: Route, stream: FramedStream, context: RPCContext)
     except HivemindExtError as e:
         _report_layer_error(stream, requests.error or e, route, context.peer_id)
     return False
+
+
+async def _await_caller_end(requests: RequestStream) -> None:
+    """A handler may finish just before the caller's END arrives (the all-reduce owner answers once
+    it has every chunk, while the sender's END is still behind its last one): waits a little for
+    it, so that the connection can carry the caller's next call. Anything else than an END in time
+    (a request the handler left unread, silence, an error) leaves the call not reusable."""
+    with contextlib.suppress(HivemindExtError):
+        await wait_until(requests.receive(), now() + CALLER_END_GRACE, "waiting for the caller's END")
 
 
 def _encode_response(response: Any, stream: FramedStream) -> tuple[bytes, memoryview]:
