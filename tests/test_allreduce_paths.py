@@ -46,3 +46,22 @@ def test_a_round_sends_over_libp2p_exactly_where_a_thin_link_is_declared() -> No
 
 async def _now() -> float:
     return asyncio.get_running_loop().time()
+
+
+def test_later_rounds_reuse_the_direct_connections_of_earlier_ones() -> None:
+    swarm = Swarm(3, direct=DirectConfig(host="127.0.0.1"))
+    try:
+        peers = swarm.peers
+        for round_index in range(3):
+            members = [peer.member() for peer in peers]
+            inputs = [make_tensors([(3000,)], 10 * round_index + seed) for seed in range(3)]
+            outcomes = swarm.run(run_round(peers, group_of(members), inputs, config=config()))
+            check_round(peers, inputs, [1.0] * 3, outcomes, honest=range(3))
+        connectors = [peer.service.rpc_client.direct for peer in peers]
+        assert all(connector is not None for connector in connectors)
+        # each peer streams to the 2 other owners: 2 connections opened in the first round, reused since
+        assert [connector.opened for connector in connectors] == [2, 2, 2]
+        assert [connector.reused for connector in connectors] == [4, 4, 4]
+        assert sum(peer.server.direct_listener.accepted for peer in peers) == 6
+    finally:
+        swarm.close()

@@ -468,6 +468,11 @@ class DecentralizedAverager:
                 await stop()
             except (HivemindExtError, OSError) as e:  # OSError: the daemon is gone already
                 logger.debug(f"error while shutting the averager down: {e!r}")
+        # the direct connections kept idle for the next calls (see p2p.direct_client)
+        if self._service is not None:
+            self._service.rpc_client.close()
+        if self._loader is not None:
+            self._loader.client.close()
 
     def shutdown(self) -> None:
         """Stops background work and releases the peer runtime; pending steps fail with an error.

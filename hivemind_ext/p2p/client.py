@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
@@ -40,7 +41,7 @@ from hivemind_ext.errors import (
 )
 from hivemind_ext.p2p.deadlines import now, remaining, resolve_deadline, wait_until
 from hivemind_ext.p2p.direct_client import DirectClientConfig, DirectConnector
-from hivemind_ext.p2p.direct_wire import TICKET_HANDLER, Transport
+from hivemind_ext.p2p.direct_wire import ACCEPTED, REUSE_END_KEY, TICKET_HANDLER, Transport
 from hivemind_ext.p2p.framing import Frame, FrameKind, encode_frame_head, open_header, protocol_name
 from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.stream import FramedStream
@@ -117,6 +118,7 @@ class RPCClient:
                 raise explanation from e
             frame = await stream.receive(deadline)
             if frame.kind is FrameKind.MESSAGE:
+                stream.release_or_close()  # the call ended cleanly: a direct connection may carry the next
                 return Message(frame.header, frame.payload)
             if frame.kind is FrameKind.ERROR:
                 raise exception_from_error_header(frame.header, str(peer_id))
@@ -178,13 +180,22 @@ class RPCClient:
             direct = await self.direct.connect(peer_id, name, deadline)
         if direct is None:
             connection, transport = await self._open_libp2p(peer_id, name, deadline), "libp2p"
+            stream = FramedStream(*connection, limits)
         else:
-            connection, transport = direct
+            connection, transport = direct.connection, direct.transport
+            stream = FramedStream(*connection, limits, preamble=ACCEPTED if direct.reused else None)
+            connector = self.direct
+            assert connector is not None
+            stream.release = functools.partial(connector.release, peer_id, connection, transport)
         if name != TICKET_HANDLER:
             self._record_transport(peer_id, transport)
-        stream = FramedStream(*connection, limits)
         stream.send_nowait(FrameKind.OPEN, open_header(max(remaining(deadline), 1e-3)))
         return stream
+
+    def close(self) -> None:
+        """Closes the idle direct connections (calls in progress are not affected; later calls open new ones)."""
+        if self.direct is not None:
+            self.direct.close()
 
     def _record_transport(self, peer_id: PeerID, transport: Transport) -> None:
         self._transports[peer_id] = (now(), transport)
@@ -220,7 +231,13 @@ class ClientStream:
         self._stream, self.peer_id, self.name, self.deadline = stream, peer_id, name, deadline
         self._ended_requests = False
         self._ended_responses = False
+        self._server_waits = False  # the server's END says it read ours and waits for the next call
         self._failure: BaseException | None = None
+
+    @property
+    def direct(self) -> bool:
+        """Whether this call runs on a direct connection that may carry the next call once it ends cleanly."""
+        return self._stream.release is not None
 
     def _deadline(self, timeout: float | None, deadline: float | None) -> float:
         if timeout is None and deadline is None:
@@ -306,6 +323,7 @@ class ClientStream:
             return Message(frame.header, frame.payload)
         if frame.kind is FrameKind.END:
             self._ended_responses = True
+            self._server_waits = frame.header.get(REUSE_END_KEY) is True
             return None
         error: HivemindExtError
         if frame.kind is FrameKind.ERROR:
@@ -351,9 +369,12 @@ class ClientStream:
             self._fail(e)
 
     async def aclose(self) -> None:
-        """Closes the stream: gracefully after a clean finish, at once otherwise. Never waits."""
+        """Closes the stream: gracefully after a clean finish (a direct connection is kept for the
+        next call), at once otherwise. Never waits."""
         if self._failure is not None or not (self._ended_requests and self._ended_responses):
             self._stream.abort()
+        elif self._server_waits:
+            self._stream.release_or_close()
         else:
             self._stream.close()
 

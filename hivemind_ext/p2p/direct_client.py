@@ -11,6 +11,13 @@ per call.
 
 Tickets are fetched ``tokens_per_ticket`` at a time (one libp2p round trip serves that many
 connections) and used until shortly before they expire.
+
+Reuse: a connection whose call ended cleanly comes back through :meth:`DirectConnector.release`
+into an idle pool per peer (if the server's ticket offered reuse, see direct_wire); the next
+:meth:`DirectConnector.connect` to that peer takes it instead of a token, a TCP connect and a hello,
+sends the handler name and returns at once (the server's ACCEPTED byte is read before the first
+response frame). Idle connections expire (``idle_timeout``, and sooner than the server's) and are
+bounded per peer and in all.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 from hivemind.p2p import PeerID
 
@@ -38,6 +46,7 @@ from hivemind_ext.p2p.direct_records import CALLER
 from hivemind_ext.p2p.direct_transport import DirectStream, connect_tcp, seal, start_client_session
 from hivemind_ext.p2p.direct_wire import (
     ACCEPTED,
+    MAX_HANDLER_NAME_BYTES,
     MAX_TOKENS_PER_TICKET,
     Transport,
     encode_handler_name,
@@ -64,6 +73,10 @@ class DirectClientConfig:
     :param max_peers: peers whose tickets are remembered (least recently used are forgotten)
     :param allow_plaintext: also use servers that offer a plaintext direct path (their data
       crosses the network unencrypted); off by default: such servers are reached over libp2p
+    :param idle_timeout: a connection idle this long is closed (at most 3/4 of the server's own
+      idle time from its ticket, so that the server does not close it under a new call)
+    :param max_idle_per_peer: idle connections kept per peer (beyond this the oldest is closed)
+    :param max_idle: idle connections kept in all (beyond this the oldest is closed)
     """
 
     ticket_timeout: float = 5.0
@@ -72,9 +85,16 @@ class DirectClientConfig:
     tokens_per_ticket: int = 8
     max_peers: int = 1024
     allow_plaintext: bool = False
+    idle_timeout: float = 20.0
+    max_idle_per_peer: int = 8
+    max_idle: int = 256
 
     def __post_init__(self) -> None:
-        check_durations(self, "ticket_timeout", "connect_timeout", "retry_after")
+        check_durations(self, "ticket_timeout", "connect_timeout", "retry_after", "idle_timeout")
+        for name in ("max_idle_per_peer", "max_idle"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ConfigurationError(f"{name} must be a non-negative int, got {value!r}")
         if type(self.tokens_per_ticket) is not int or not 1 <= self.tokens_per_ticket <= MAX_TOKENS_PER_TICKET:
             raise ConfigurationError(f"tokens_per_ticket must be an int in 1..{MAX_TOKENS_PER_TICKET}")
         if type(self.max_peers) is not int or self.max_peers < 1:
@@ -89,6 +109,7 @@ class _PeerTickets:
     port: int = 0
     # (token, its session key or None for plaintext, expiry time)
     tokens: collections.deque[tuple[bytes, bytes | None, float]] = dataclasses.field(default_factory=collections.deque)
+    reuse: float | None = None  # how long this side keeps a connection idle (from the ticket); None: no reuse
     failed_until: float = -math.inf  # time.monotonic(), like the token expiry times
     last_failure: HivemindExtError | None = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
@@ -97,6 +118,34 @@ class _PeerTickets:
 # (peer, request, deadline) -> the ticket response, over libp2p
 TicketCall = Callable[[PeerID, Message, float], Awaitable[Message]]
 Connection = tuple[DirectStream, asyncio.StreamWriter]
+# the client's idle time is at most this share of the server's (see DirectClientConfig.idle_timeout)
+IDLE_SHARE_OF_SERVER = 0.75
+
+
+class Opened(NamedTuple):
+    """A direct connection ready for a call: a new one whose hello was accepted, or a reused one
+    (``reused``) whose ACCEPTED byte for this call is still to be read before the first frame."""
+
+    connection: Connection
+    transport: Transport
+    reused: bool
+
+
+@dataclasses.dataclass(eq=False)
+class _Idle:
+    peer_id: PeerID
+    connection: Connection
+    transport: Transport
+    timer: asyncio.TimerHandle | None = None
+
+    def usable(self) -> bool:
+        reader, writer = self.connection
+        return reader.reusable and not writer.is_closing()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.connection[1].transport.abort()
 
 
 class DirectConnector:
@@ -107,6 +156,58 @@ class DirectConnector:
         self.config = config if config is not None else DirectClientConfig()
         self._ticket_call = ticket_call
         self._peers: collections.OrderedDict[PeerID, _PeerTickets] = collections.OrderedDict()
+        # idle connections, oldest first (a peer's newest is taken first)
+        self._idle: collections.OrderedDict[_Idle, None] = collections.OrderedDict()
+        self.opened = 0  # new connections whose hello was accepted
+        self.reused = 0  # calls sent on an idle connection
+
+    def idle_count(self, peer_id: PeerID | None = None) -> int:
+        """Idle connections (to ``peer_id``, or in all)."""
+        return sum(1 for idle in self._idle if peer_id is None or idle.peer_id == peer_id)
+
+    def release(self, peer_id: PeerID, connection: Connection, transport: Transport) -> None:
+        """Takes back a connection whose call ended cleanly (the caller checked that nothing is left
+        unread or half written): kept idle for the next call to ``peer_id`` where the server offers
+        reuse and the bounds allow, else closed."""
+        state = self._peers.get(peer_id)
+        idle = _Idle(peer_id, connection, transport)
+        if state is None or state.reuse is None or self.config.max_idle_per_peer == 0 or not idle.usable():
+            idle.close()
+            return
+        mine = [other for other in self._idle if other.peer_id == peer_id]
+        if len(mine) >= self.config.max_idle_per_peer:
+            self._drop(mine[0])
+        if len(self._idle) >= self.config.max_idle:
+            self._drop(next(iter(self._idle)))
+        if len(self._idle) >= self.config.max_idle:  # max_idle == 0
+            idle.close()
+            return
+        seconds = min(self.config.idle_timeout, state.reuse * IDLE_SHARE_OF_SERVER)
+        idle.timer = asyncio.get_running_loop().call_later(seconds, self._drop, idle)
+        self._idle[idle] = None
+
+    def close(self) -> None:
+        """Closes every idle connection (calls in progress keep theirs, closed when they end)."""
+        for idle in list(self._idle):
+            self._drop(idle)
+
+    def _drop(self, idle: _Idle) -> None:
+        self._idle.pop(idle, None)
+        idle.close()
+
+    def _take_idle(self, peer_id: PeerID) -> _Idle | None:
+        """The newest usable idle connection to ``peer_id`` (closing the unusable ones met)."""
+        for idle in reversed(list(self._idle)):
+            if idle.peer_id != peer_id:
+                continue
+            del self._idle[idle]
+            if idle.timer is not None:
+                idle.timer.cancel()
+                idle.timer = None
+            if idle.usable():
+                return idle
+            idle.close()  # the server closed it meanwhile (or it broke): try the next one
+        return None
 
     def is_failing(self, peer_id: PeerID) -> bool:
         """True while ``peer_id`` is not tried directly after a failure (callable from any thread)."""
@@ -118,10 +219,15 @@ class DirectConnector:
         state = self._peers.get(peer_id)
         return state.last_failure if state is not None else None
 
-    async def connect(self, peer_id: PeerID, handler: str, deadline: float) -> tuple[Connection, Transport] | None:
-        """A connection to ``handler`` on ``peer_id`` whose hello was accepted, and which path it is;
-        or None (use libp2p)."""
+    async def connect(self, peer_id: PeerID, handler: str, deadline: float) -> Opened | None:
+        """A connection to ``handler`` on ``peer_id``: an idle one (the handler name sent, its
+        ACCEPTED byte not yet read) or a new one whose hello was accepted; or None (use libp2p)."""
         state = self._state(peer_id)
+        idle = self._take_idle(peer_id) if 1 <= len(handler.encode()) <= MAX_HANDLER_NAME_BYTES else None
+        if idle is not None:
+            idle.connection[1].write(encode_handler_name(handler))
+            self.reused += 1
+            return Opened(idle.connection, idle.transport, True)
         if time.monotonic() < state.failed_until:
             return None
         try:
@@ -132,7 +238,8 @@ class DirectConnector:
                 f"direct connection to {peer_id}",
             )
             state.last_failure = None
-            return connection, "direct" if token[1] is not None else "direct-plaintext"
+            self.opened += 1
+            return Opened(connection, "direct" if token[1] is not None else "direct-plaintext", False)
         except (HivemindExtError, ConnectionError, OSError) as e:
             error = e if isinstance(e, HivemindExtError) else _typed(e)
             logger.debug(f"direct path to {peer_id} failed, using libp2p: {type(error).__name__}: {error}")
@@ -163,7 +270,7 @@ class DirectConnector:
                 ticket = parse_ticket_response(response.header)
                 if ticket.keys is None and not self.config.allow_plaintext:
                     raise ProtocolError("the peer offers only a plaintext direct path (allow_plaintext is off)")
-                state.host, state.port = ticket.host, ticket.port
+                state.host, state.port, state.reuse = ticket.host, ticket.port, ticket.reuse
                 keys = ticket.keys if ticket.keys is not None else [None] * len(ticket.tokens)
                 expiry = asked_at + ticket.ttl - TOKEN_EXPIRY_MARGIN
                 state.tokens.extend((token, key, expiry) for token, key in zip(ticket.tokens, keys, strict=True))

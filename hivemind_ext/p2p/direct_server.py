@@ -51,6 +51,11 @@ class DirectConfig:
     :param hello_timeout: a new connection must present its token within this time
     :param max_pending_hellos: connections still in their hello beyond this many are dropped at
       once, which bounds what a flood of idle connections can cost
+    :param idle_timeout: after a call ends cleanly, its connection waits this long for the caller's
+      next call (a handler name, then the call), then closes; callers are told this in their
+      tickets and let their idle connections go sooner
+    :param max_idle_per_peer: idle connections kept per caller; beyond this its oldest is closed
+    :param max_idle: idle connections kept in all; beyond this the oldest is closed
     """
 
     host: str
@@ -63,6 +68,9 @@ class DirectConfig:
     max_tokens: int = 4096
     hello_timeout: float = 5.0
     max_pending_hellos: int = 64
+    idle_timeout: float = 30.0
+    max_idle_per_peer: int = 16
+    max_idle: int = 256
 
     def __post_init__(self) -> None:
         for name in ("host", "advertise_host"):
@@ -83,8 +91,8 @@ class DirectConfig:
             raise ConfigurationError(f"advertise_port must be an int in 1..65535, got {self.advertise_port!r}")
         if not isinstance(self.plaintext, bool):
             raise ConfigurationError(f"plaintext must be a bool, got {self.plaintext!r}")
-        check_durations(self, "token_ttl", "hello_timeout")
-        for name in ("max_tokens_per_peer", "max_tokens", "max_pending_hellos"):
+        check_durations(self, "token_ttl", "hello_timeout", "idle_timeout")
+        for name in ("max_tokens_per_peer", "max_tokens", "max_pending_hellos", "max_idle_per_peer", "max_idle"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
@@ -173,13 +181,61 @@ class TicketBook:
 ConnectionCallback = Callable[[DirectStream, asyncio.StreamWriter], Awaitable[None]]
 
 
+class IdleConnections:
+    """The server's connections that wait for their caller's next call, bounded per caller and in
+    all: registering one beyond a bound closes the oldest idle one (of that caller, or of anyone),
+    so a caller cannot hold more than ``max_idle_per_peer`` of them open however many it made."""
+
+    def __init__(self, max_per_peer: int, max_total: int) -> None:
+        self.max_per_peer, self.max_total = max_per_peer, max_total
+        # writer -> its caller, oldest first
+        self._idle: collections.OrderedDict[asyncio.StreamWriter, PeerID] = collections.OrderedDict()
+        self._per_peer: collections.Counter[PeerID] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    def count(self, peer_id: PeerID) -> int:
+        return self._per_peer[peer_id]
+
+    def add(self, writer: asyncio.StreamWriter, peer_id: PeerID) -> None:
+        if self._per_peer[peer_id] >= self.max_per_peer:
+            self._close(next(w for w, p in self._idle.items() if p == peer_id), "per-caller bound")
+        if len(self._idle) >= self.max_total:
+            self._close(next(iter(self._idle)), "bound")
+        self._idle[writer] = peer_id
+        self._per_peer[peer_id] += 1
+
+    def discard(self, writer: asyncio.StreamWriter) -> None:
+        peer_id = self._idle.pop(writer, None)
+        if peer_id is not None:
+            self._per_peer[peer_id] -= 1
+            if self._per_peer[peer_id] <= 0:
+                del self._per_peer[peer_id]
+
+    def close_all(self) -> None:
+        for writer in list(self._idle):
+            self._close(writer, "the listener stopped")
+
+    def _close(self, writer: asyncio.StreamWriter, why: str) -> None:
+        logger.debug(f"closing an idle direct connection of {self._idle.get(writer)} ({why})")
+        self.discard(writer)
+        writer.transport.abort()  # its task, waiting for the next call, sees the end and finishes
+
+
 class DirectListener:
-    """A server socket whose connections go to ``on_connection`` (which must own and close them)."""
+    """A server socket whose connections go to ``on_connection`` (which must own and close them).
+
+    It keeps the registry of idle connections (:class:`IdleConnections`) that every server sharing
+    it uses; :meth:`stop_accepting` closes them too, so that callers stop using the direct path."""
 
     def __init__(self, config: DirectConfig, on_connection: ConnectionCallback) -> None:
         self.config, self._on_connection = config, on_connection
         self._server: asyncio.AbstractServer | None = None
         self.port = 0  # the bound port, once started
+        self.accepted = 0  # connections accepted in all
+        self.stopped = False  # stop_accepting() was called
+        self.idle = IdleConnections(config.max_idle_per_peer, config.max_idle)
 
     @property
     def advertised(self) -> tuple[str, int]:
@@ -189,12 +245,18 @@ class DirectListener:
 
     async def start(self) -> None:
         """Binds and listens (the event loop sets TCP_NODELAY on every accepted connection)."""
-        self._server = await start_direct_server(self._on_connection, self.config.host, self.config.port)
+        self._server = await start_direct_server(self._accept, self.config.host, self.config.port)
         sockets = self._server.sockets
         self.port = int(sockets[0].getsockname()[1]) if sockets else self.config.port
 
+    async def _accept(self, reader: DirectStream, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        await self._on_connection(reader, writer)
+
     def stop_accepting(self) -> None:
-        """Closes the listening socket (connections already accepted are left to their owner)."""
+        """Closes the listening socket and the idle connections (connections in a call are left to their owner)."""
         if self._server is not None:
             self._server.close()
             self._server = None
+        self.stopped = True
+        self.idle.close_all()

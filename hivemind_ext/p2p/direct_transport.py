@@ -214,6 +214,23 @@ class DirectStream(asyncio.BufferedProtocol):
         return self._ended() and not self._buffer
 
     @property
+    def reusable(self) -> bool:
+        """Nothing received is left unread, no read is waiting, and the connection has not ended
+        or failed: it sits between two calls (see direct_wire)."""
+        records = self._records
+        return (
+            not self._eof
+            and self._exception is None
+            and not self._connection_lost
+            and not self._buffer
+            and self._target is None
+            and self._waiter is None
+            and (records is None or not (records.inside_record or records.complete))
+            and self.transport is not None
+            and not self.transport.is_closing()
+        )
+
+    @property
     def buffered(self) -> int:
         """Bytes received and not yet read (reading ahead pauses once this passes the limit)."""
         return len(self._buffer)

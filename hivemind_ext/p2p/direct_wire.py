@@ -23,6 +23,8 @@ Ticket call (unary, handler :data:`TICKET_HANDLER`)::
     response {"host": str, "port": int, "ttl": seconds, "tokens": [32-byte bin, ...],
               "keys": [32-byte bin, ...]}               one key per token; no "keys": the server
                                                         speaks plaintext
+              "reuse": seconds}                         optional: the server keeps a connection
+                                                        open this long after a call for the next one
              or {"error": str} for a malformed request
 
 TCP connection, caller first, in clear::
@@ -39,8 +41,17 @@ then, inside records (or in clear on a plaintext connection)::
 
 An encrypted server answers nothing, and closes, until the caller's first record authenticates
 (an unknown token or a record under another key gets no answer at all). After ACCEPTED the
-connection carries exactly one call, framed as over libp2p (:mod:`~hivemind_ext.p2p.framing`:
+connection carries one call, framed as over libp2p (:mod:`~hivemind_ext.p2p.framing`:
 OPEN, MESSAGE..., END/ERROR).
+
+Reuse (servers whose tickets say "reuse"): after a call that ended cleanly (a unary call answered
+with a MESSAGE; a streaming call whose requests and responses both ended with END, the server's
+END carrying ``{"reuse": True}``: it read the caller's END, which its handler need not), the caller may
+send the next call on the same connection, in the same records (the record counters go on, so no
+nonce repeats): the handler name as above, then at once the call's frames, without waiting; the
+server answers ACCEPTED (or REJECTED and close) before the call's frames, for the same caller
+identity and namespace as the token's. The server waits ``reuse`` seconds for the next name, then
+closes; callers let their idle connections go sooner.
 """
 
 from __future__ import annotations
@@ -68,6 +79,8 @@ MAX_HANDLER_NAME_BYTES = 200  # the same bound as protocol_name()
 MAX_TOKENS_PER_TICKET = 16
 ACCEPTED = b"\x01"
 REJECTED = b"\x00"
+# in the END frame of a direct streaming call: the server read the caller's END and waits for its next call
+REUSE_END_KEY = "reuse"
 
 
 def encode_hello(token: bytes) -> bytes:
@@ -129,16 +142,21 @@ class Ticket:
     ttl: float
     tokens: list[bytes]
     keys: list[bytes] | None
+    reuse: float | None = None  # how long the server keeps a connection for the next call; None: one call only
 
 
 def ticket_request(count: int) -> dict[str, Any]:
     return {"count": count}
 
 
-def ticket_response(host: str, port: int, ttl: float, tokens: list[bytes], keys: list[bytes] | None) -> dict[str, Any]:
+def ticket_response(
+    host: str, port: int, ttl: float, tokens: list[bytes], keys: list[bytes] | None, reuse: float | None = None
+) -> dict[str, Any]:
     response: dict[str, Any] = {"host": host, "port": port, "ttl": float(ttl), "tokens": tokens}
     if keys is not None:
         response["keys"] = keys
+    if reuse is not None:
+        response["reuse"] = float(reuse)
     return response
 
 
@@ -170,7 +188,10 @@ def parse_ticket_response(header: Mapping[str, Any]) -> Ticket:
         or not all(isinstance(key, bytes) and len(key) in ACCEPTED_KEY_BYTES for key in keys)
     ):
         raise ProtocolError("ticket must carry one key of 16 or 32 bytes per token")
-    return Ticket(host, port, float(ttl), tokens, keys)
+    reuse = header.get("reuse")
+    if reuse is not None and (type(reuse) not in (int, float) or not 0 < reuse <= 24 * 3600):
+        raise ProtocolError(f"ticket reuse must be a positive number of seconds, got {reuse!r:.30}")
+    return Ticket(host, port, float(ttl), tokens, keys, float(reuse) if reuse is not None else None)
 
 
 def parse_ticket_request(header: Mapping[str, Any]) -> int:

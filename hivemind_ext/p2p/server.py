@@ -360,10 +360,13 @@ class RPCServer:
         except ProtocolError as e:  # answered, not raised: a handler failure is logged as a warning
             return Message({"error": str(e)})
         tokens, keys = tickets.issue(context.peer_id, count, now(), self.namespace)
-        return Message(ticket_response(*listener.advertised, tickets.config.token_ttl, tokens, keys))
+        reuse = listener.config.idle_timeout
+        return Message(ticket_response(*listener.advertised, tickets.config.token_ttl, tokens, keys, reuse))
 
     async def _serve_direct(self, reader: DirectStream, writer: asyncio.StreamWriter) -> None:
-        """One TCP connection: its hello (token + handler), then one call, as if it came over libp2p."""
+        """One TCP connection: its hello (token + handler), then its calls, as if they came over
+        libp2p: after a call that ended cleanly the connection waits (idle) for the caller's next
+        handler name, for the same caller and namespace (see direct_wire)."""
         if not self._adopt_current_task(writer):
             return
         if self._tickets is None or self._pending_hellos >= self._tickets.config.max_pending_hellos:
@@ -386,9 +389,61 @@ class RPCServer:
             return
         if server is not self and not server._adopt_current_task(writer):  # its shutdown must cancel the call
             return
-        stream = server._handler_stream(route, peer_id, reader, writer)
-        sealed = not self._tickets.config.plaintext
-        await server._serve_adopted(route, peer_id, stream, "direct" if sealed else "direct-plaintext")
+        transport: Transport = "direct" if not self._tickets.config.plaintext else "direct-plaintext"
+        listener = self._direct
+        while True:
+            stream = server._handler_stream(route, peer_id, reader, writer)
+            if not await server._serve_adopted(route, peer_id, stream, transport, reusable=listener is not None):
+                return  # the stream is closed
+            assert listener is not None
+            next_route = await self._next_direct_call(reader, writer, peer_id, server, listener)
+            if next_route is None:
+                return
+            route = next_route
+
+    async def _next_direct_call(
+        self,
+        reader: DirectStream,
+        writer: asyncio.StreamWriter,
+        peer_id: PeerID,
+        server: RPCServer,
+        listener: DirectListener,
+    ) -> Route | None:
+        """Waits (idle, at most the listener's idle_timeout) for the next handler name on a connection
+        whose call ended cleanly; its route after answering ACCEPTED, or None once the connection is
+        closed (the caller hung up or stayed idle too long, the idle bound dropped it, a malformed or
+        refused name)."""
+        if listener.stopped:
+            writer.transport.abort()
+            return None
+        listener.idle.add(writer, peer_id)
+        try:
+            name = await read_handler_name(reader, now() + listener.config.idle_timeout)
+        except asyncio.CancelledError:
+            writer.transport.abort()
+            raise
+        except HivemindExtError as e:
+            if reader.at_eof() and reader.exception() is None and not reader.buffered:
+                writer.close()  # the caller hung up between calls: the normal end
+            else:
+                logger.debug(f"closing an idle direct connection of {peer_id}: {type(e).__name__}: {e}")
+                writer.transport.abort()
+            return None
+        finally:
+            listener.idle.discard(writer)
+        route = server._routes.get(name) if self._serves_namespace(server) else None
+        if route is None or name == TICKET_HANDLER:
+            logger.debug(f"direct connection of {peer_id} to {server.namespace} closed: no handler {name!r}")
+            self.direct_refusals += 1
+            writer.write(REJECTED)
+            FramedStream(reader, writer, Limits()).close()
+            return None
+        writer.write(ACCEPTED)
+        return route
+
+    def _serves_namespace(self, server: RPCServer) -> bool:
+        """Whether ``server`` (this one or one sharing its listener) still serves over this listener."""
+        return server is self or self._direct_sharers.get(server.namespace) is server
 
     async def _accept_hello(
         self, reader: DirectStream, writer: asyncio.StreamWriter, tickets: TicketBook
@@ -425,8 +480,14 @@ class RPCServer:
         writer.write(ACCEPTED)
         return route, holder.peer_id, writer, server
 
-    async def _serve_adopted(self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Transport) -> None:
+    async def _serve_adopted(
+        self, route: Route, peer_id: PeerID, stream: FramedStream, transport: Transport, reusable: bool = False
+    ) -> bool:
+        """Serves one call on ``stream`` and closes it; returns False then. With ``reusable`` (a
+        direct connection), a call that ended cleanly (see direct_wire) leaves the stream open and
+        returns True: the connection may carry the caller's next call."""
         route.active_calls += 1
+        clean = False
         route.calls_per_peer[peer_id] += 1
         linger = LINGER_SECONDS
         try:
@@ -437,7 +498,7 @@ class RPCServer:
                 limit = route.config.max_calls_per_peer
                 if route.calls_per_peer[peer_id] > 2 * limit:
                     stream.abort()  # far over its share: the cheapest answer
-                    return
+                    return False
                 # answered late, so that a caller that reopens at once does not spin on refusals
                 await asyncio.sleep(BUSY_REFUSAL_DELAY)
                 busy = ClosedError(f"{route.name} is serving {limit} calls of {peer_id} already")
@@ -446,6 +507,13 @@ class RPCServer:
                 answered_by = await serve_call(route, peer_id, stream, transport)
                 if answered_by is not None:
                     linger = max(linger, answered_by - now())
+                    if reusable and (route.kind == "unary" or stream.received_end):  # the caller may reuse it
+                        if stream.can_carry_next_call:
+                            await stream.flush(now() + linger)  # the call ends once its last frame left
+                            clean = True
+                            return True
+                        stream.abort()  # at once (no linger): a caller that kept it sees it ended
+                        return False
             await stream.linger(linger)
         except asyncio.CancelledError:
             report(stream, ErrorKind.UNAVAILABLE, ClosedError("the server is shutting down"))
@@ -457,4 +525,7 @@ class RPCServer:
             route.calls_per_peer[peer_id] -= 1
             if route.calls_per_peer[peer_id] <= 0:
                 del route.calls_per_peer[peer_id]
-            stream.close()
+            if not clean:
+                stream.close()
+            stream.mark_call_ended()
+        return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +28,7 @@ from hivemind_ext.errors import (
     ProtocolError,
 )
 from hivemind_ext.p2p.deadlines import check_durations, now, remaining, wait_until
-from hivemind_ext.p2p.direct_wire import Transport
+from hivemind_ext.p2p.direct_wire import REUSE_END_KEY, Transport
 from hivemind_ext.p2p.framing import FrameKind, encode_frame_head, parse_open
 from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.stream import FramedStream
@@ -35,6 +36,9 @@ from hivemind_ext.p2p.tasks import TaskOwner
 from hivemind_ext.p2p.wire_errors import ErrorKind, error_header, error_kind_of
 
 logger = logging.getLogger(__name__)
+
+# how long a direct streaming call whose handler finished waits for the caller's END (see _await_caller_end)
+CALLER_END_GRACE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +134,17 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    def call_ended(self) -> asyncio.Future[None]:
+        """Done once the server is through with this call (see ``FramedStream.call_ended``): a
+        handler that must know its responses were delivered waits for this, not for its task,
+        which may go on serving the caller's next call on the same direct connection."""
+        return self._stream.call_ended()
+
+    @property
+    def ended(self) -> bool:
+        """The caller's END arrived (and nothing failed): every request was read."""
+        return self._ended and self.error is None
+
     async def __anext__(self) -> Message:
         message = await self.receive()
         if message is None:
@@ -210,7 +225,12 @@ async def _serve_stream(route: Route, stream: FramedStream, context: RPCContext)
         await wait_until(_pump_responses(route, requests, stream, context), context.deadline, f"handler {route.name}")
         if requests.error is not None:  # the handler swallowed a broken request stream: don't pretend success
             raise requests.error
-        await stream.send(FrameKind.END, {}, memoryview(b""), context.deadline)
+        # a direct connection whose requests all arrived may carry the caller's next call: the END says
+        # so, since only this side knows whether the handler read the caller's END (see direct_wire)
+        if context.transport != "libp2p" and not requests.ended:
+            await _await_caller_end(requests)
+        end = {REUSE_END_KEY: True} if context.transport != "libp2p" and requests.ended else {}
+        await stream.send(FrameKind.END, end, memoryview(b""), context.deadline)
         return True
     except _HandlerFailed as failure:
         if requests.error is not None:  # the handler failed because the request stream did
@@ -220,6 +240,15 @@ async def _serve_stream(route: Route, stream: FramedStream, context: RPCContext)
     except HivemindExtError as e:
         _report_layer_error(stream, requests.error or e, route, context.peer_id)
     return False
+
+
+async def _await_caller_end(requests: RequestStream) -> None:
+    """A handler may finish just before the caller's END arrives (the all-reduce owner answers once
+    it has every chunk, while the sender's END is still behind its last one): waits a little for
+    it, so that the connection can carry the caller's next call. Anything else than an END in time
+    (a request the handler left unread, silence, an error) leaves the call not reusable."""
+    with contextlib.suppress(HivemindExtError):
+        await wait_until(requests.receive(), now() + CALLER_END_GRACE, "waiting for the caller's END")
 
 
 def _encode_response(response: Any, stream: FramedStream) -> tuple[bytes, memoryview]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from hivemind_ext.errors import DeadlineExceededError
+from hivemind_ext.errors import DeadlineExceededError, PeerUnreachableError, ProtocolError
 from hivemind_ext.p2p.deadlines import now, wait_until
 from hivemind_ext.p2p.framing import (
     ByteReader,
@@ -38,6 +38,7 @@ WRITE_BUFFER_LOW = 1024 * 1024
 # that stops reading cannot pin our buffers forever.
 CLOSE_GRACE_SECONDS = 10.0
 LINGER_READ_BYTES = 256 * 1024
+FLUSH_POLL_SECONDS = 0.002
 
 
 def tune_transport(writer: asyncio.StreamWriter) -> None:
@@ -64,7 +65,11 @@ class FramedStream:
         limits: Limits,
         account: ReceiveAccount | None = None,
         send_limits: Limits | None = None,
+        preamble: bytes | None = None,
     ) -> None:
+        """``preamble``: bytes the peer sends before its first frame, checked by the first receive
+        (the ACCEPTED byte of a reused direct connection, see direct_wire); anything else fails it
+        with a ProtocolError."""
         tune_transport(writer)
         self.reader, self.writer, self.limits = reader, writer, limits
         self.send_limits = send_limits if send_limits is not None else limits  # what this side may send
@@ -74,6 +79,13 @@ class FramedStream:
         self._send_interrupted = False
         self._finished_sending = False  # an END or ERROR frame went out: nothing may follow it
         self._receive_lock = asyncio.Lock()
+        self._preamble = preamble
+        self.received_end = False  # an END frame was received: the peer sends nothing more on this call
+        # takes the connection back for another call (a direct connection's, set by the client)
+        self.release: Callable[[], None] | None = None
+        self._released = False  # the connection was handed on: close() and abort() leave it alone
+        self._call_ended: asyncio.Future[None] | None = None
+        self._call_over = False
 
     async def send(
         self,
@@ -121,9 +133,50 @@ class FramedStream:
     async def receive(self, deadline: float, idle_timeout: float | None = None) -> Frame:
         """The next frame, by ``deadline``; ``idle_timeout``: see :func:`~hivemind_ext.p2p.framing.read_frame`."""
         async with self._receive_lock:
-            return await read_frame(
+            if self._preamble is not None:
+                await self._receive_preamble(deadline)
+            frame = await read_frame(
                 self.reader, limits=self.limits, deadline=deadline, account=self.account, idle_timeout=idle_timeout
             )
+            if frame.kind is FrameKind.END:
+                self.received_end = True
+            return frame
+
+    async def _receive_preamble(self, deadline: float) -> None:
+        expected = self._preamble
+        assert expected is not None
+        try:
+            received = await wait_until(self.reader.readexactly(len(expected)), deadline, "reading a stream's preamble")
+        except asyncio.IncompleteReadError:
+            raise PeerUnreachableError("the stream ended before its first frame") from None
+        except (ConnectionError, OSError) as e:
+            raise PeerUnreachableError(f"the stream broke before its first frame: {type(e).__name__}") from e
+        if received != expected:
+            raise ProtocolError(f"the peer refused the call (answered {received!r} before its first frame)")
+        self._preamble = None
+
+    @property
+    def reusable(self) -> bool:
+        """Whether the connection under this stream may carry another call (the caller's check, once
+        the server has ended the call): nothing is left half written or unread, and the connection
+        is still open (only a direct connection can be)."""
+        reader_clean = getattr(self.reader, "reusable", None)
+        return self.can_carry_next_call and reader_clean is not None and bool(reader_clean)
+
+    @property
+    def can_carry_next_call(self) -> bool:
+        """The server's check after a call that ended cleanly: nothing is left half written, no read
+        is in progress and the connection did not fail. Bytes already received are allowed: they are
+        the caller's next call, which may follow our END at once."""
+        exception = getattr(self.reader, "exception", None)
+        return (
+            self._preamble is None
+            and not self._send_interrupted
+            and not self._send_lock.locked()
+            and not self._receive_lock.locked()
+            and not self.writer.is_closing()
+            and (exception is None or exception() is None)
+        )
 
     async def wait_peer_gone(self) -> bool:
         """Waits until the peer closes the stream (True) or sends more bytes (False), consuming them.
@@ -163,7 +216,7 @@ class FramedStream:
     def close(self) -> None:
         """Flushes what was written, then closes; aborts if the flush takes longer than the grace period
         (or at once if a frame was cut short: flushing half a frame helps no one)."""
-        if self.writer.is_closing():
+        if self._released or self.writer.is_closing():
             return
         if self._send_interrupted:
             self.abort()
@@ -171,6 +224,38 @@ class FramedStream:
         self.writer.close()
         asyncio.get_running_loop().call_later(CLOSE_GRACE_SECONDS, _abort_if_still_flushing, self.writer.transport)
 
+    def call_ended(self) -> asyncio.Future[None]:
+        """Done once the server is through with the call on this stream: the stream closed, or (a
+        direct connection kept for the next call) the call's last frame flushed to the socket."""
+        if self._call_ended is None:
+            self._call_ended = asyncio.get_running_loop().create_future()
+            if self._call_over:
+                self._call_ended.set_result(None)
+        return self._call_ended
+
+    def mark_call_ended(self) -> None:
+        self._call_over = True
+        if self._call_ended is not None and not self._call_ended.done():
+            self._call_ended.set_result(None)
+
+    async def flush(self, deadline: float) -> None:
+        """Waits (until ``deadline`` at most) until what was written has left for the socket."""
+        transport = self.writer.transport
+        while transport.get_write_buffer_size() > 0 and not transport.is_closing() and now() < deadline:
+            await asyncio.sleep(FLUSH_POLL_SECONDS)
+
+    def release_or_close(self) -> None:
+        """After a call that ended cleanly: hands the connection to ``release`` if it can carry
+        another call (:attr:`reusable`), else closes it. The stream is not used afterwards."""
+        release, self.release = self.release, None
+        if release is not None and self.reusable:
+            self._released = True
+            release()
+        else:
+            self.close()
+
     def abort(self) -> None:
         """Closes immediately, dropping anything not yet written (for interrupted or broken streams)."""
+        if self._released:
+            return
         self.writer.transport.abort()

@@ -33,6 +33,7 @@ part goes on without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -311,6 +312,10 @@ class OwnedPart:
             index, compressed = parse_chunk(message)
             await context.hooks.after_receive_chunk(sender, part, index, message)
             await self._accept(sender, index, compressed)
+        # the sender's END follows its last chunk: reading it (best effort) lets a direct connection
+        # carry the sender's next stream to this peer (see p2p.direct_wire, reuse)
+        with contextlib.suppress(HivemindExtError):
+            await wait_until(requests.receive(idle_timeout=context.idle_timeout), context.collect_deadline, "END")
 
     async def _send_result(self, sender: PeerID) -> AsyncIterator[Message]:
         """RESULT, then each averaged chunk as soon as it is published; REFUSED as soon as the sender

@@ -47,7 +47,7 @@ class RoundRun:
             self._adopt_part(OwnedPart(context, context.layout.parts[me]))
         self._tasks = TaskOwner(f"allreduce round {context.group_id.hex()[:12]}")
         self._handlers: set[asyncio.Task[Any]] = set()  # serving a stream of this round right now
-        self._streams: set[asyncio.Task[Any]] = set()  # the same tasks, until their call has ended
+        self._streams: set[asyncio.Future[Any]] = set()  # their calls, until each has ended
         self.closed = False
 
     def _adopt_part(self, part: OwnedPart) -> None:
@@ -123,8 +123,9 @@ class RoundRun:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
-            self._streams.add(task)
-            task.add_done_callback(self._streams.discard)
+        ended = requests.call_ended()  # not the task's end: a direct connection's task serves the next call
+        self._streams.add(ended)
+        ended.add_done_callback(self._streams.discard)
         try:
             try:
                 join = parse_join(first, MAX_GATHER_BYTES)

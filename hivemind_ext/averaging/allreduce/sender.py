@@ -32,6 +32,7 @@ sends an invalid average), the part keeps this member's own values and the outco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from hivemind.p2p import PeerID
@@ -80,6 +81,8 @@ READ_ONLY_CODECS = (NoCompression, Float16Compression, Float16OrMinMax16, BFloat
 # went from 1.27-1.30x to 1.11-1.13x and hetero:none from 1.17-1.19x to 1.10x; 100:none (1.13-1.15x)
 # and loopback rounds (2 MiB chunks, 8 per part) did not change beyond the noise.
 MAX_LEAD_CHUNKS = 4
+# how long a sender waits, after the last average, for the owner's END (which makes its connection reusable)
+OWNER_END_GRACE = 0.1
 
 
 class Lead:
@@ -148,6 +151,11 @@ async def _exchange(
             raise
         if not sending.done():  # the END frame may still be on its way out
             await asyncio.wait([sending], timeout=max(0.0, min(context.idle_timeout, context.deadline - now())))
+        if stream.direct and sending.done() and _failure_of(sending) is None and not sending.cancelled():
+            # the owner's END follows its last average at once: reading it lets the direct connection
+            # carry the next round's stream to this peer (see p2p.direct_wire, reuse); never waited long
+            with contextlib.suppress(HivemindExtError):
+                await stream.receive(deadline=min(context.deadline, now() + OWNER_END_GRACE))
         return contributors
 
 
