@@ -90,7 +90,7 @@ async def test_garbage_as_the_next_handler_name_closes_only_that_connection() ->
         async with pair(direct, client_config) as peers:
             connector, _ = parts(peers)
             await peers.whoami()
-            hostile = connector._take_idle(peers.peer)
+            hostile = connector.take_idle(peers.peer)
             assert hostile is not None
             reader, writer = hostile.connection
             call = asyncio.ensure_future(peers.whoami())  # a call on another connection
@@ -102,7 +102,7 @@ async def test_garbage_as_the_next_handler_name_closes_only_that_connection() ->
             writer.transport.abort()
             # raw bytes outside the records on an encrypted connection: closed the same way
             await peers.whoami()
-            hostile = connector._take_idle(peers.peer)
+            hostile = connector.take_idle(peers.peer)
             assert hostile is not None
             reader, writer = hostile.connection
             writer.transport.write(os.urandom(100))
@@ -122,7 +122,7 @@ async def test_idle_connections_expire_on_both_sides() -> None:
         await eventually(lambda: connector.idle_count() == 0, 2)  # the client's: 3/4 of the server's 0.8 s
         await eventually(lambda: len(listener.idle) == 0, 2)  # the server saw it closed
         await peers.whoami()
-        held = connector._take_idle(peers.peer)  # kept open by a caller that never calls again
+        held = connector.take_idle(peers.peer)  # kept open by a caller that never calls again
         assert held is not None and len(listener.idle) == 1
         started = time.monotonic()
         await asyncio.wait_for(held.connection[0].read(1), 5)

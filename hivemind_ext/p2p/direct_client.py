@@ -195,8 +195,9 @@ class DirectConnector:
         self._idle.pop(idle, None)
         idle.close()
 
-    def _take_idle(self, peer_id: PeerID) -> _Idle | None:
-        """The newest usable idle connection to ``peer_id`` (closing the unusable ones met)."""
+    def take_idle(self, peer_id: PeerID) -> _Idle | None:
+        """The newest usable idle connection to ``peer_id``, taken out of the pool: the caller owns it
+        (it calls on it, or closes it). Unusable ones met on the way are closed."""
         for idle in reversed(list(self._idle)):
             if idle.peer_id != peer_id:
                 continue
@@ -223,7 +224,7 @@ class DirectConnector:
         """A connection to ``handler`` on ``peer_id``: an idle one (the handler name sent, its
         ACCEPTED byte not yet read) or a new one whose hello was accepted; or None (use libp2p)."""
         state = self._state(peer_id)
-        idle = self._take_idle(peer_id) if 1 <= len(handler.encode()) <= MAX_HANDLER_NAME_BYTES else None
+        idle = self.take_idle(peer_id) if 1 <= len(handler.encode()) <= MAX_HANDLER_NAME_BYTES else None
         if idle is not None:
             idle.connection[1].write(encode_handler_name(handler))
             self.reused += 1
