@@ -136,7 +136,8 @@ def simulate_round(
     declaring; ``planted`` records ``(key, write)`` lie in the DHT from the start (``(key, write,
     time)``: from that time on, as a hostile peer's later writes); ``per_record``:
     see :class:`LaggingDHT`; ``read_time``: a read takes up to this long (a uniform draw), as reads
-    of 64 real peers on two saturated cores took seconds. Runs until every live peer has a group or
+    of 64 real peers on two saturated cores took seconds; each peer steps at the pace of its own
+    reads' durations (:mod:`.pace`), as the matchmaker does. Runs until every live peer has a group or
     gave up at ``until`` (a peer in a group that is being formed finishes that first). ``dht``: the DHT
     to run on (default: a new one), e.g. that of an earlier round, with peers that start looking from
     ``begin`` on (a DHT time; ``until`` is one too) under attempt tokens numbered ``attempt``."""
