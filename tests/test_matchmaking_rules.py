@@ -490,3 +490,29 @@ def test_a_leader_whose_commit_store_reports_failure_returns_if_the_commit_is_on
         committed = asyncio.run(matchmaker.commit(writes, group, deadline=get_dht_time() + 30))
         exchanges = board.exchanges
         assert committed is expected and len(exchanges) == calls
+
+
+class _SlowBoard(_CommitBoard):
+    """A DHT whose reads take ``read_time`` seconds (an internet DHT, or a saturated machine)."""
+
+    def __init__(self, read_time: float) -> None:
+        super().__init__(visible=False)
+        self.read_time = read_time
+
+    async def get(self, key: str, latest: bool = True, **options) -> SimpleNamespace | None:
+        await asyncio.sleep(self.read_time)
+        return await super().get(key, latest, **options)
+
+
+def test_the_matchmaker_paces_the_protocol_at_the_time_its_reads_take() -> None:
+    """Every read of the board is timed (see .pace): slow reads stretch the pace, fast ones leave
+    the configured poll_interval."""
+    group = GroupInfo(bytes.fromhex(GROUP_ID), ())
+    writes = (commit_write(Commit(GROUP_ID, (LEADER.key,)), get_dht_time() + 30),)
+    config = MatchmakingConfig(prefix="run", target_group_size=2, request_timeout=3.0, poll_interval=0.05)
+    for read_time, low, high in ((0.0, 0.05, 0.05), (0.25, 0.25, 0.5)):
+        board = _SlowBoard(read_time)
+        matchmaker = Matchmaker(config, dht=None, peer_id=PeerID(b"x"), dht_calls=board, signing_key=SIGNING_KEY)  # type: ignore[arg-type]
+        asyncio.run(matchmaker.commit(writes, group, deadline=get_dht_time() + 30))  # reads after each failed store
+        assert sum(read for _, read in board.exchanges) == COMMIT_ATTEMPTS
+        assert low <= matchmaker.read_pace.pace(config) <= high

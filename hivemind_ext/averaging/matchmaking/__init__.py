@@ -10,6 +10,7 @@ Which file does what:
 - :mod:`.board`: the records of one prefix as they lie in the DHT, and their strict parsing;
 - :mod:`.lifetimes`: how long each record lives (as long as its group is being formed);
 - :mod:`.protocol`: one peer's side of the protocol as a pure state machine;
+- :mod:`.pace`: the protocol's poll interval, stretched to the time this peer's DHT reads take;
 - :mod:`.matchmaker`: :class:`Matchmaker`, the thin I/O around the state machine (DHT reads and
   writes with deadlines);
 - :mod:`.confirmation`: members confirm a sealed group by one libp2p call to its leader, whose

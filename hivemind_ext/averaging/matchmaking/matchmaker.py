@@ -78,6 +78,15 @@ up to one ``poll_interval`` before they see it. The rest is the four DHT round t
 For scale, hivemind 1.1.12's ``DecentralizedAverager.step`` (RPC matchmaking plus an all-reduce of
 4 floats) took 140-180 ms per round on the same machine.
 
+Pace: the protocol counts its windows in poll intervals, meant as a few reads of the board. The
+matchmaker times every read (each call into the DHT process that reads the board, a timed-out one
+included) and steps the protocol on a configuration whose ``poll_interval`` is its *pace*:
+``max(poll_interval, R)``, ``R`` the 3rd quartile of its last 16 read durations, at most
+``request_timeout / 4`` (:mod:`.pace`); it also pauses that long between reads. With fast reads the
+pace is ``poll_interval`` and nothing changes; on a slow DHT (internet reads of 0.1-1 s, or a
+saturated machine) windows stretch to as many reads as they were meant to hold. The estimate
+carries over from round to round; a rise above ``poll_interval`` is logged at DEBUG.
+
 Failure modes
 -------------
 - *A peer dies after declaring.* Its declaration lives on for up to ``request_timeout``. If it is
@@ -142,6 +151,7 @@ import functools
 import logging
 import math
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -164,6 +174,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     SealedGroup,
 )
 from hivemind_ext.averaging.matchmaking.listed import ListedPeers
+from hivemind_ext.averaging.matchmaking.pace import ReadPace
 from hivemind_ext.averaging.matchmaking.protocol import (
     URGENT_POLL_FRACTION,
     Following,
@@ -236,6 +247,9 @@ class Matchmaker:
         self._busy = False
         # who this peer has seen on its board lately (the all-reduce's admission reserves slots for them)
         self.listed = ListedPeers()
+        # how long this peer's board reads take, over rounds: the protocol's pace (see .pace)
+        self.read_pace = ReadPace()
+        self._logged_pace = config.poll_interval
 
     def lists(self, peer: PeerID) -> bool:
         """Whether ``peer`` was on this peer's matchmaking board recently (see :mod:`.listed`)."""
@@ -361,8 +375,9 @@ class Matchmaker:
                 if not self._dht_calls.is_alive():  # its pipe would swallow our requests and never answer
                     raise MatchmakingError("the DHT process is not running")
                 urgent = read_now = False
+                config = self._paced()  # the protocol counts in reads: at this peer's pace
                 if board is not None:  # None: the read failed, skip this poll
-                    result = step(state, now, self._leader_view(state, board), self.config, direct=direct)
+                    result = step(state, now, self._leader_view(state, board), config, direct=direct)
                     urgent = result.urgent
                     if type(result.state) is not type(state):
                         logger.debug("%s: %s -> %s", self.peer_id, type(state).__name__, type(result.state).__name__)
@@ -390,7 +405,7 @@ class Matchmaker:
                         # a pause and a read (10-40 ms on a loaded loopback)
                         board = board if not read_now and _awaits_calls(self.confirmations, state) else read
                 if not read_now:
-                    pause = self.config.poll_interval * (URGENT_POLL_FRACTION if urgent else 1.0)
+                    pause = config.poll_interval * (URGENT_POLL_FRACTION if urgent else 1.0)
                     if _awaits_calls(self.confirmations, state) and board is not None:
                         board = await self._read_unless_called(board, declaration.deadline)
                         continue
@@ -399,6 +414,23 @@ class Matchmaker:
         except BaseException:
             self._withdraw(state)
             raise
+
+    def _paced(self) -> MatchmakingConfig:
+        """The configuration the protocol steps on: this peer's, at the pace of its reads (:mod:`.pace`)."""
+        config = self.read_pace.paced(self.config)
+        pace = config.poll_interval
+        if pace > self.config.poll_interval and not 0.8 * self._logged_pace <= pace <= 1.25 * self._logged_pace:
+            logger.debug(
+                "%s: DHT reads take %.3f s: matchmaking paces at %.3f s instead of poll_interval %.3f s",
+                self.peer_id,
+                self.read_pace.estimate(),
+                pace,
+                self.config.poll_interval,
+            )
+            self._logged_pace = pace
+        elif pace <= self.config.poll_interval:
+            self._logged_pace = pace
+        return config
 
     def _leader_view(self, state: State, board: Board) -> Board:
         """What the protocol steps on: the board, and for the leader of a direct group, the calls it
@@ -430,7 +462,7 @@ class Matchmaker:
         confirmations = self.confirmations
         if confirmations is None:
             return board
-        pause = max(0.0, min(self.config.poll_interval, deadline - get_dht_time()))
+        pause = max(0.0, min(self._paced().poll_interval, deadline - get_dht_time()))
         async with TaskOwner("a direct leader's wait") as owner:
             called = owner.spawn(confirmations.changed.wait(), report_errors=False)
             read = owner.spawn(self._pause_then_read(pause, deadline), report_errors=False)
@@ -460,7 +492,7 @@ class Matchmaker:
         except (ProtocolError, RemoteError, DeadlineExceededError) as e:
             # lying, refusing, or silent until one request_timeout past its commit time (as a dead one)
             logger.info("%s: leaving the group of %s: %s", self.peer_id, group.leader.peer_id, e)
-            failed = leader_failed(state, get_dht_time(), self.config)
+            failed = leader_failed(state, get_dht_time(), self._paced())
             _, board = await self._exchange(failed.writes, True, deadline)
             return failed.state, board
         except PeerUnreachableError as e:
@@ -529,16 +561,21 @@ class Matchmaker:
         request = functools.partial(_store_then_read, self._key, signed, read, all_replicas)
         # at most request_timeout, and never past the deadline (a DHT time: converted to the loop clock)
         timeout = max(0.0, min(self.config.request_timeout, deadline - get_dht_time()))
+        started = time.monotonic()
         try:
             stored, entries = await self._dht_calls.run_coroutine(request, timeout=timeout)
         except ClosedError as e:
             raise MatchmakingError("the DHT process is not running") from e
         except DeadlineExceededError:  # the protocol tolerates a lost read or write: skip this poll
             logger.debug("a matchmaking DHT call timed out after %.3f s", timeout)
+            if read:  # a read as slow as that, as far as the pace goes
+                self.read_pace.record(time.monotonic() - started)
             return not writes, None
         except PeerUnreachableError as e:  # the DHT process reported a failure
             logger.warning("a matchmaking DHT call failed: %r", e.__cause__ or e)
             return not writes, None
+        if read:
+            self.read_pace.record(time.monotonic() - started)
         if not stored:
             logger.debug("some of the matchmaking records %s were not stored", [w.subkey for w in writes])
         if entries is None:

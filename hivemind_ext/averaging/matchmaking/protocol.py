@@ -8,6 +8,11 @@ members agree, and its failure modes) is described in that module's docstring.
 
 States: :class:`Looking` (declared, waiting for a group), :class:`Leading` (sealed a group, waiting
 for confirmations), :class:`Following` (confirmed a sealed group, waiting for its commit).
+
+Windows counted in poll intervals (``*_POLLS``, margins of ``poll_interval``) are counted in the
+``poll_interval`` of the configuration a step gets: the I/O layer hands in the peer's *pace*
+(:func:`.pace.paced`: ``max(poll_interval, its reads' duration)``, at most ``request_timeout / 4``),
+so that on a slow DHT a window still holds the reads it was meant to.
 """
 
 from __future__ import annotations

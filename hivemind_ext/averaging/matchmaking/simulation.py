@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from hivemind_ext.averaging.matchmaking.board import Write, board_key, parse_board
 from hivemind_ext.averaging.matchmaking.group import Declaration, GroupInfo, MatchmakingConfig, Member
+from hivemind_ext.averaging.matchmaking.pace import ReadPace
 from hivemind_ext.averaging.matchmaking.protocol import URGENT_POLL_FRACTION, Looking, State, fall_back, step
 from hivemind_ext.averaging.matchmaking.rotation import Digits, shard_depth
 
@@ -93,6 +94,7 @@ class SimulatedPeer:
     group: GroupInfo | None = None
     found_at: float | None = None
     reads: int = 0
+    pace: ReadPace = field(default_factory=ReadPace)  # its reads' durations (see .pace)
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,8 @@ def simulate_round(
     declaring; ``planted`` records ``(key, write)`` lie in the DHT from the start (``(key, write,
     time)``: from that time on, as a hostile peer's later writes); ``per_record``:
     see :class:`LaggingDHT`; ``read_time``: a read takes up to this long (a uniform draw), as reads
-    of 64 real peers on two saturated cores took seconds. Runs until every live peer has a group or
+    of 64 real peers on two saturated cores took seconds; each peer steps at the pace of its own
+    reads' durations (:mod:`.pace`), as the matchmaker does. Runs until every live peer has a group or
     gave up at ``until`` (a peer in a group that is being formed finishes that first). ``dht``: the DHT
     to run on (default: a new one), e.g. that of an earlier round, with peers that start looking from
     ``begin`` on (a DHT time; ``until`` is one too) under attempt tokens numbered ``attempt``."""
@@ -184,12 +187,13 @@ def _poll(peer: SimulatedPeer, dht: LaggingDHT, rnd: random.Random, read_time: f
     entries = dht.read(key, peer.peer_id, now)
     peer.reads += 1
     board = parse_board(peer.config.group_key, entries, now, peer.config.fingerprint)
-    result = step(peer.state, now, board, peer.config)
+    paced = peer.pace.paced(peer.config)  # the protocol counts in reads (see .pace)
+    result = step(peer.state, now, board, paced)
     peer.state = result.state
     if result.fall_back:
         peer.config, peer.state, left = fall_back(result.state.declaration, now, peer.config, result.hop)
         dht.store(key, left, now)
-        peer.next_time = now + _read_delay(rnd, read_time)  # declares on the coarser board at once
+        peer.next_time = now + _read_delay(rnd, read_time, peer.pace)  # declares on the coarser board at once
         return
     for write in result.writes:
         dht.store(key, write, now)
@@ -199,11 +203,13 @@ def _poll(peer: SimulatedPeer, dht: LaggingDHT, rnd: random.Random, read_time: f
     if peer.dies and result.writes:
         peer.next_time = float("inf")  # declared, then died
         return
-    pause = peer.config.poll_interval * (URGENT_POLL_FRACTION if result.urgent else 1.0)
-    peer.next_time = now + pause * rnd.uniform(0.5, 1.5) + _read_delay(rnd, read_time)
+    pause = paced.poll_interval * (URGENT_POLL_FRACTION if result.urgent else 1.0)
+    peer.next_time = now + pause * rnd.uniform(0.5, 1.5) + _read_delay(rnd, read_time, peer.pace)
 
 
-def _read_delay(rnd: random.Random, read_time: float) -> float:
-    """How long one read takes beyond the poll pause; no draw without ``read_time``, so that seeded
-    runs without it keep their results."""
-    return rnd.uniform(0, read_time) if read_time > 0 else 0.0
+def _read_delay(rnd: random.Random, read_time: float, pace: ReadPace) -> float:
+    """How long one read takes beyond the poll pause, recorded in the peer's ``pace``; no draw
+    without ``read_time``, so that seeded runs without it keep their results."""
+    delay = rnd.uniform(0, read_time) if read_time > 0 else 0.0
+    pace.record(delay)
+    return delay
