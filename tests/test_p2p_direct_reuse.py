@@ -12,9 +12,11 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+import pytest
 from test_p2p import async_test, wait_for_no_p2p_tasks
 from test_p2p_direct import ALLOW_PLAINTEXT, LOOPBACK_DIRECT, MB, Pair, pair
 
+from hivemind_ext.errors import HivemindExtError
 from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Limits, Message, RPCContext
 from hivemind_ext.p2p.deadlines import now
 from hivemind_ext.p2p.direct_client import DirectConnector
@@ -75,12 +77,25 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
         connector, listener = parts(peers)
         await peers.whoami()
         assert len(listener.idle) == 1
-        listener.idle.close_all()  # as its idle bound or a restart would
+        listener.idle.drop_all()  # as its idle bound or a restart would
         await asyncio.sleep(0.1)
         assert (await peers.whoami()).header["transport"] == "direct"
         assert listener.accepted == 2 and connector.opened == 2 and connector.reused == 0
         assert (await peers.whoami()).header["transport"] == "direct"
         assert listener.accepted == 2
+
+
+@async_test
+async def test_the_client_forgets_an_idle_connection_as_soon_as_the_server_ends_it() -> None:
+    async with pair() as peers:
+        connector, listener = parts(peers)
+        await peers.whoami()
+        await peers.whoami()
+        assert connector.idle_count(peers.peer) == 1
+        listener.idle.drop_all()
+        await eventually(lambda: connector.idle_count() == 0, 1)  # not at its expiry, 20 s later
+        assert (await peers.whoami()).header["transport"] == "direct"
+        assert connector.reused == 1 and connector.opened == 2
 
 
 @async_test
@@ -230,3 +245,40 @@ async def test_a_next_call_sent_right_behind_the_last_one_is_served() -> None:
             assert end.kind is FrameKind.END and end.header == {REUSE_END_KEY: True}
         assert listener.accepted == 1 and len(listener.idle) == 1
         writer.transport.abort()
+
+
+@async_test
+async def test_a_call_on_a_connection_the_server_closes_as_it_is_reused_succeeds() -> None:
+    """The server closes an idle connection (its expiry, its bounds, a restart) while the caller's
+    next call on it is already on its way: the call is sent again on a fresh connection."""
+    async with pair() as peers:
+        connector, listener = parts(peers)
+        await peers.whoami()
+        listener.idle.drop_all()  # no await before the call: the client has not seen the close yet
+        assert (await peers.whoami()).header["transport"] == "direct"
+        assert (connector.reused, connector.opened) == (1, 2) and listener.accepted == 2
+        requests = [Message({"i": i}, os.urandom(size)) for i, size in enumerate((10, 2 * MB))]
+        listener.idle.drop_all()
+        async with peers.client.stream(peers.peer, "echo_stream", requests, timeout=30) as responses:
+            assert [bytes(r.payload) async for r in responses] == [bytes(r.payload) for r in requests]
+        assert (connector.reused, connector.opened) == (2, 3) and listener.accepted == 3
+    await wait_for_no_p2p_tasks()
+
+
+@async_test
+async def test_a_call_on_a_reused_connection_to_a_peer_that_is_gone_fails_typed_and_soon() -> None:
+    for streaming in (False, True):
+        async with pair() as peers:
+            connector, listener = parts(peers)
+            await peers.whoami()
+            await peers.server_p2p.shutdown()  # its daemon is gone: libp2p cannot reach it either
+            listener.stop_accepting()  # and its direct path, just as the next call goes out on it
+            started = time.monotonic()
+            with pytest.raises(HivemindExtError):
+                if streaming:
+                    await peers.client.open_stream(peers.peer, "echo_stream", timeout=5)
+                else:
+                    await peers.client.call(peers.peer, "whoami", Message({}), timeout=5)
+            assert time.monotonic() - started < 7
+            assert connector.reused == 1 and connector.idle_count() == 0
+    await wait_for_no_p2p_tasks()

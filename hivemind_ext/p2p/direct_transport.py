@@ -66,6 +66,8 @@ class DirectStream(asyncio.BufferedProtocol):
         self._connection_lost = False
         self._records: RecordOpener | None = None  # set once the connection is sealed
         self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # called once the peer ends or breaks the connection (set by whoever keeps it idle)
+        self.on_end: Callable[[], Any] | None = None
 
     # ----- protocol callbacks (called by the event loop)
 
@@ -162,6 +164,7 @@ class DirectStream(asyncio.BufferedProtocol):
         self._eof = True
         self._check_ended_between_records()
         self._wake()
+        self._ended_now()
         return True  # keep the transport open for writing, as asyncio's StreamReaderProtocol does
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -178,6 +181,12 @@ class DirectStream(asyncio.BufferedProtocol):
         self._wake()
         if not self._closed.done():
             self._closed.set_result(None)
+        self._ended_now()
+
+    def _ended_now(self) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     def pause_writing(self) -> None:
         self._writing_paused = True

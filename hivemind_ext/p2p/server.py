@@ -416,7 +416,7 @@ class RPCServer:
         if listener.stopped:
             writer.transport.abort()
             return None
-        listener.idle.add(writer, peer_id)
+        listener.idle.add(peer_id, writer)
         try:
             name = await read_handler_name(reader, now() + listener.config.idle_timeout)
         except asyncio.CancelledError:

@@ -142,6 +142,18 @@ class FramedStream:
                 self.received_end = True
             return frame
 
+    @property
+    def preamble_pending(self) -> bool:
+        """True until the preamble (if any) was received: a stream that fails meanwhile reached no
+        handler (the server dispatches a call only after its ACCEPTED byte, see direct_wire)."""
+        return self._preamble is not None
+
+    async def receive_preamble(self, deadline: float) -> None:
+        """Reads the preamble now, if it is still to come (else the first :meth:`receive` does)."""
+        async with self._receive_lock:
+            if self._preamble is not None:
+                await self._receive_preamble(deadline)
+
     async def _receive_preamble(self, deadline: float) -> None:
         expected = self._preamble
         assert expected is not None
