@@ -21,10 +21,10 @@ from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Limits, Message, 
 from hivemind_ext.p2p.deadlines import now
 from hivemind_ext.p2p.direct_client import DirectConnector
 from hivemind_ext.p2p.direct_server import DirectListener
-from hivemind_ext.p2p.direct_transport import open_direct_connection
+from hivemind_ext.p2p.direct_transport import DirectStream, open_direct_connection, start_direct_server
 from hivemind_ext.p2p.direct_wire import ACCEPTED, REUSE_END_KEY, encode_handler_name, encode_hello
 from hivemind_ext.p2p.framing import FrameKind, encode_frame_head, open_header
-from hivemind_ext.p2p.stream import FramedStream
+from hivemind_ext.p2p.stream import WRITE_BUFFER_HIGH, WRITE_BUFFER_LOW, FramedStream
 
 
 async def nap(request: Message, context: RPCContext) -> Message:
@@ -282,3 +282,35 @@ async def test_a_call_on_a_reused_connection_to_a_peer_that_is_gone_fails_typed_
             assert time.monotonic() - started < 7
             assert connector.reused == 1 and connector.idle_count() == 0
     await wait_for_no_p2p_tasks()
+
+
+@async_test
+async def test_flush_waits_for_the_write_buffer_to_empty_and_no_longer() -> None:
+    accepted: asyncio.Queue[tuple[DirectStream, asyncio.StreamWriter]] = asyncio.Queue()
+
+    async def keep(reader: DirectStream, writer: asyncio.StreamWriter) -> None:
+        await accepted.put((reader, writer))
+
+    server = await start_direct_server(keep, "127.0.0.1", 0)
+    try:
+        reader, writer = await open_direct_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        _, server_writer = await accepted.get()
+        stream = FramedStream(DirectStream(), server_writer, Limits())
+        assert await stream.flush(now() + 1)  # nothing buffered
+        server_writer.write(bytes(64 * MB))  # more than the sockets hold: the caller reads none of it
+        started = time.monotonic()
+        assert not await stream.flush(now() + 0.3)
+        assert 0.25 < time.monotonic() - started < 2
+        assert server_writer.transport.get_write_buffer_limits() == (WRITE_BUFFER_LOW, WRITE_BUFFER_HIGH)
+        flushing = asyncio.ensure_future(stream.flush(now() + 20))
+        received = 0
+        while received < 64 * MB:
+            received += len(await reader.read(MB))
+            assert received > 32 * MB or not flushing.done()  # the kernel's socket buffers hold far less
+        assert await asyncio.wait_for(flushing, 5)
+        assert server_writer.transport.get_write_buffer_size() == 0
+        assert server_writer.transport.get_write_buffer_limits() == (WRITE_BUFFER_LOW, WRITE_BUFFER_HIGH)
+        server_writer.transport.abort()
+        writer.transport.abort()
+    finally:
+        server.close()
