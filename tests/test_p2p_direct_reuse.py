@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -60,6 +61,26 @@ async def test_sequential_calls_to_one_peer_share_one_connection() -> None:
         assert listener.accepted == 1
         assert (connector.opened, connector.reused) == (1, 13)
         assert connector.idle_count(peers.peer) == 1
+
+
+@async_test
+async def test_both_ends_of_a_direct_connection_send_small_frames_at_once() -> None:
+    """TCP_NODELAY on both sockets: a reused stream waits for ACCEPTED before its requests, and
+    with Nagle's algorithm on the caller's socket its first request then waited for the server's
+    delayed ACK of the OPEN frame (about 40 ms a call on Linux)."""
+    async with pair() as peers:
+        connector, _ = parts(peers)
+        await peers.whoami()
+        started = time.monotonic()
+        for _ in range(10):
+            async with peers.client.stream(peers.peer, "echo_stream", [Message({}, b"x")], timeout=10) as responses:
+                assert [bytes(r.payload) async for r in responses] == [b"x"]
+        assert time.monotonic() - started < 0.3 and connector.reused == 10
+        idle = connector.take_idle(peers.peer)
+        assert idle is not None
+        sock = idle.connection[1].transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        idle.close()
 
 
 @async_test
