@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 
+import pytest
 from test_p2p import async_test, wait_for_no_p2p_tasks
 from test_p2p_direct import ALLOW_PLAINTEXT, LOOPBACK_DIRECT, MB, Pair, pair
 
+from hivemind_ext.errors import HivemindExtError
 from hivemind_ext.p2p import DirectClientConfig, DirectConfig, Limits, Message, RPCContext
 from hivemind_ext.p2p.deadlines import now
 from hivemind_ext.p2p.direct_client import DirectConnector
 from hivemind_ext.p2p.direct_server import DirectListener
-from hivemind_ext.p2p.direct_transport import open_direct_connection
+from hivemind_ext.p2p.direct_transport import DirectStream, open_direct_connection, start_direct_server
 from hivemind_ext.p2p.direct_wire import ACCEPTED, REUSE_END_KEY, encode_handler_name, encode_hello
 from hivemind_ext.p2p.framing import FrameKind, encode_frame_head, open_header
-from hivemind_ext.p2p.stream import FramedStream
+from hivemind_ext.p2p.stream import WRITE_BUFFER_HIGH, WRITE_BUFFER_LOW, FramedStream
 
 
 async def nap(request: Message, context: RPCContext) -> Message:
@@ -61,6 +64,26 @@ async def test_sequential_calls_to_one_peer_share_one_connection() -> None:
 
 
 @async_test
+async def test_both_ends_of_a_direct_connection_send_small_frames_at_once() -> None:
+    """TCP_NODELAY on both sockets: a reused stream waits for ACCEPTED before its requests, and
+    with Nagle's algorithm on the caller's socket its first request then waited for the server's
+    delayed ACK of the OPEN frame (about 40 ms a call on Linux)."""
+    async with pair() as peers:
+        connector, _ = parts(peers)
+        await peers.whoami()
+        started = time.monotonic()
+        for _ in range(10):
+            async with peers.client.stream(peers.peer, "echo_stream", [Message({}, b"x")], timeout=10) as responses:
+                assert [bytes(r.payload) async for r in responses] == [b"x"]
+        assert time.monotonic() - started < 0.3 and connector.reused == 10
+        idle = connector.take_idle(peers.peer)
+        assert idle is not None
+        sock = idle.connection[1].transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        idle.close()
+
+
+@async_test
 async def test_plaintext_connections_are_reused_too() -> None:
     async with pair(DirectConfig(host="127.0.0.1", plaintext=True), ALLOW_PLAINTEXT) as peers:
         _, listener = parts(peers)
@@ -75,12 +98,25 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
         connector, listener = parts(peers)
         await peers.whoami()
         assert len(listener.idle) == 1
-        listener.idle.close_all()  # as its idle bound or a restart would
+        listener.idle.drop_all()  # as its idle bound or a restart would
         await asyncio.sleep(0.1)
         assert (await peers.whoami()).header["transport"] == "direct"
         assert listener.accepted == 2 and connector.opened == 2 and connector.reused == 0
         assert (await peers.whoami()).header["transport"] == "direct"
         assert listener.accepted == 2
+
+
+@async_test
+async def test_the_client_forgets_an_idle_connection_as_soon_as_the_server_ends_it() -> None:
+    async with pair() as peers:
+        connector, listener = parts(peers)
+        await peers.whoami()
+        await peers.whoami()
+        assert connector.idle_count(peers.peer) == 1
+        listener.idle.drop_all()
+        await eventually(lambda: connector.idle_count() == 0, 1)  # not at its expiry, 20 s later
+        assert (await peers.whoami()).header["transport"] == "direct"
+        assert connector.reused == 1 and connector.opened == 2
 
 
 @async_test
@@ -230,3 +266,72 @@ async def test_a_next_call_sent_right_behind_the_last_one_is_served() -> None:
             assert end.kind is FrameKind.END and end.header == {REUSE_END_KEY: True}
         assert listener.accepted == 1 and len(listener.idle) == 1
         writer.transport.abort()
+
+
+@async_test
+async def test_a_call_on_a_connection_the_server_closes_as_it_is_reused_succeeds() -> None:
+    """The server closes an idle connection (its expiry, its bounds, a restart) while the caller's
+    next call on it is already on its way: the call is sent again on a fresh connection."""
+    async with pair() as peers:
+        connector, listener = parts(peers)
+        await peers.whoami()
+        listener.idle.drop_all()  # no await before the call: the client has not seen the close yet
+        assert (await peers.whoami()).header["transport"] == "direct"
+        assert (connector.reused, connector.opened) == (1, 2) and listener.accepted == 2
+        requests = [Message({"i": i}, os.urandom(size)) for i, size in enumerate((10, 2 * MB))]
+        listener.idle.drop_all()
+        async with peers.client.stream(peers.peer, "echo_stream", requests, timeout=30) as responses:
+            assert [bytes(r.payload) async for r in responses] == [bytes(r.payload) for r in requests]
+        assert (connector.reused, connector.opened) == (2, 3) and listener.accepted == 3
+    await wait_for_no_p2p_tasks()
+
+
+@async_test
+async def test_a_call_on_a_reused_connection_to_a_peer_that_is_gone_fails_typed_and_soon() -> None:
+    for streaming in (False, True):
+        async with pair() as peers:
+            connector, listener = parts(peers)
+            await peers.whoami()
+            await peers.server_p2p.shutdown()  # its daemon is gone: libp2p cannot reach it either
+            listener.stop_accepting()  # and its direct path, just as the next call goes out on it
+            started = time.monotonic()
+            with pytest.raises(HivemindExtError):
+                if streaming:
+                    await peers.client.open_stream(peers.peer, "echo_stream", timeout=5)
+                else:
+                    await peers.client.call(peers.peer, "whoami", Message({}), timeout=5)
+            assert time.monotonic() - started < 7
+            assert connector.reused == 1 and connector.idle_count() == 0
+    await wait_for_no_p2p_tasks()
+
+
+@async_test
+async def test_flush_waits_for_the_write_buffer_to_empty_and_no_longer() -> None:
+    accepted: asyncio.Queue[tuple[DirectStream, asyncio.StreamWriter]] = asyncio.Queue()
+
+    async def keep(reader: DirectStream, writer: asyncio.StreamWriter) -> None:
+        await accepted.put((reader, writer))
+
+    server = await start_direct_server(keep, "127.0.0.1", 0)
+    try:
+        reader, writer = await open_direct_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        _, server_writer = await accepted.get()
+        stream = FramedStream(DirectStream(), server_writer, Limits())
+        assert await stream.flush(now() + 1)  # nothing buffered
+        server_writer.write(bytes(64 * MB))  # more than the sockets hold: the caller reads none of it
+        started = time.monotonic()
+        assert not await stream.flush(now() + 0.3)
+        assert 0.25 < time.monotonic() - started < 2
+        assert server_writer.transport.get_write_buffer_limits() == (WRITE_BUFFER_LOW, WRITE_BUFFER_HIGH)
+        flushing = asyncio.ensure_future(stream.flush(now() + 20))
+        received = 0
+        while received < 64 * MB:
+            received += len(await reader.read(MB))
+            assert received > 32 * MB or not flushing.done()  # the kernel's socket buffers hold far less
+        assert await asyncio.wait_for(flushing, 5)
+        assert server_writer.transport.get_write_buffer_size() == 0
+        assert server_writer.transport.get_write_buffer_limits() == (WRITE_BUFFER_LOW, WRITE_BUFFER_HIGH)
+        server_writer.transport.abort()
+        writer.transport.abort()
+    finally:
+        server.close()

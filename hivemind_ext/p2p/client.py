@@ -26,6 +26,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
@@ -47,6 +48,8 @@ from hivemind_ext.p2p.messages import Limits, Message
 from hivemind_ext.p2p.stream import FramedStream
 from hivemind_ext.p2p.tasks import TaskOwner
 from hivemind_ext.p2p.wire_errors import exception_from_error_header
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
 MAX_TRANSPORT_RECORDS = 1024  # peers whose latest transport is remembered (see RPCClient.transports_since)
@@ -109,6 +112,20 @@ class RPCClient:
         head = encode_frame_head(FrameKind.MESSAGE, request.header, payload.nbytes, limits)  # refuse before connecting
         stream = await self._open(peer_id, name, deadline, limits)
         try:
+            return await self._call_on(stream, peer_id, head, payload, deadline)
+        except PeerUnreachableError as e:
+            if not stream.preamble_pending:
+                raise
+            # a reused connection ended before the server took the call (it closed the connection
+            # while idle, just as the call was sent): no handler saw it, so call again on a fresh one
+            logger.debug(f"{name}@{peer_id}: the reused direct connection ended first ({e}), calling again")
+        stream = await self._open(peer_id, name, deadline, limits, reuse=False)
+        return await self._call_on(stream, peer_id, head, payload, deadline)
+
+    async def _call_on(
+        self, stream: FramedStream, peer_id: PeerID, head: bytes, payload: memoryview, deadline: float
+    ) -> Message:
+        try:
             try:
                 await stream.send_encoded(head, payload, deadline)
             except PeerUnreachableError as e:
@@ -143,10 +160,24 @@ class RPCClient:
 
         Use as ``async with await client.open_stream(...) as stream:`` so that it is closed on exit.
         ``direct=False`` keeps this call on libp2p even where this client prefers the direct path.
+        On a reused direct connection this waits for the server's ACCEPTED byte (one round trip)
+        before returning, so that the requests, which cannot be sent again, only go to a call the
+        server took (a connection the server closed meanwhile is replaced by a fresh one).
         """
         deadline = resolve_deadline(timeout, deadline, self.default_timeout)
         limits = limits if limits is not None else self.limits
-        return ClientStream(await self._open(peer_id, name, deadline, limits, direct), peer_id, name, deadline)
+        stream = await self._open(peer_id, name, deadline, limits, direct)
+        if stream.preamble_pending:
+            try:
+                await stream.receive_preamble(deadline)
+            except PeerUnreachableError as e:
+                stream.abort()
+                logger.debug(f"{name}@{peer_id}: the reused direct connection ended first ({e}), opening a fresh one")
+                stream = await self._open(peer_id, name, deadline, limits, direct, reuse=False)
+            except BaseException:
+                stream.abort()
+                raise
+        return ClientStream(stream, peer_id, name, deadline)
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -173,11 +204,21 @@ class RPCClient:
             yield call
 
     async def _open(
-        self, peer_id: PeerID, name: str, deadline: float, limits: Limits, direct_allowed: bool = True
+        self,
+        peer_id: PeerID,
+        name: str,
+        deadline: float,
+        limits: Limits,
+        direct_allowed: bool = True,
+        *,
+        reuse: bool = True,
     ) -> FramedStream:
+        """A stream for the call, its OPEN frame sent: over a direct connection (an idle one unless
+        not ``reuse``: its :attr:`~FramedStream.preamble_pending` until the server's ACCEPTED byte is
+        read) where this client prefers it and the peer offers one, else over libp2p."""
         direct = None
         if self.direct is not None and direct_allowed and name != TICKET_HANDLER:
-            direct = await self.direct.connect(peer_id, name, deadline)
+            direct = await self.direct.connect(peer_id, name, deadline, reuse=reuse)
         if direct is None:
             connection, transport = await self._open_libp2p(peer_id, name, deadline), "libp2p"
             stream = FramedStream(*connection, limits)

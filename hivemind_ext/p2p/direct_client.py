@@ -16,8 +16,11 @@ Reuse: a connection whose call ended cleanly comes back through :meth:`DirectCon
 into an idle pool per peer (if the server's ticket offered reuse, see direct_wire); the next
 :meth:`DirectConnector.connect` to that peer takes it instead of a token, a TCP connect and a hello,
 sends the handler name and returns at once (the server's ACCEPTED byte is read before the first
-response frame). Idle connections expire (``idle_timeout``, and sooner than the server's) and are
-bounded per peer and in all.
+response frame). Idle connections expire (``idle_timeout``, and sooner than the server's), are
+bounded per peer and in all (:class:`~hivemind_ext.p2p.bounded_idle.BoundedIdle`), and leave the
+pool as soon as the server ends them. The server may still end one just as a call is sent on it:
+the caller (:class:`~hivemind_ext.p2p.client.RPCClient`) then calls again on a fresh connection
+(``connect(..., reuse=False)``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import socket
@@ -41,6 +45,7 @@ from hivemind_ext.errors import (
     PeerUnreachableError,
     ProtocolError,
 )
+from hivemind_ext.p2p.bounded_idle import BoundedIdle
 from hivemind_ext.p2p.deadlines import check_durations, now, wait_until
 from hivemind_ext.p2p.direct_records import CALLER
 from hivemind_ext.p2p.direct_transport import DirectStream, connect_tcp, seal, start_client_session
@@ -133,7 +138,6 @@ class Opened(NamedTuple):
 
 @dataclasses.dataclass(eq=False)
 class _Idle:
-    peer_id: PeerID
     connection: Connection
     transport: Transport
     timer: asyncio.TimerHandle | None = None
@@ -143,9 +147,14 @@ class _Idle:
         return reader.reusable and not writer.is_closing()
 
     def close(self) -> None:
+        self.stop_watching()
+        self.connection[1].transport.abort()
+
+    def stop_watching(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        self.connection[1].transport.abort()
+            self.timer = None
+        self.connection[0].on_end = None
 
 
 class DirectConnector:
@@ -157,57 +166,44 @@ class DirectConnector:
         self._ticket_call = ticket_call
         self._peers: collections.OrderedDict[PeerID, _PeerTickets] = collections.OrderedDict()
         # idle connections, oldest first (a peer's newest is taken first)
-        self._idle: collections.OrderedDict[_Idle, None] = collections.OrderedDict()
+        self._idle: BoundedIdle[PeerID, _Idle] = BoundedIdle(
+            self.config.max_idle_per_peer, self.config.max_idle, lambda _, idle: idle.close()
+        )
         self.opened = 0  # new connections whose hello was accepted
         self.reused = 0  # calls sent on an idle connection
 
     def idle_count(self, peer_id: PeerID | None = None) -> int:
         """Idle connections (to ``peer_id``, or in all)."""
-        return sum(1 for idle in self._idle if peer_id is None or idle.peer_id == peer_id)
+        return len(self._idle) if peer_id is None else self._idle.count(peer_id)
 
     def release(self, peer_id: PeerID, connection: Connection, transport: Transport) -> None:
         """Takes back a connection whose call ended cleanly (the caller checked that nothing is left
         unread or half written): kept idle for the next call to ``peer_id`` where the server offers
-        reuse and the bounds allow, else closed."""
+        reuse and the bounds allow, else closed. It leaves the pool once it expires or the server
+        ends it."""
         state = self._peers.get(peer_id)
-        idle = _Idle(peer_id, connection, transport)
-        if state is None or state.reuse is None or self.config.max_idle_per_peer == 0 or not idle.usable():
+        idle = _Idle(connection, transport)
+        if state is None or state.reuse is None or not idle.usable():
             idle.close()
             return
-        mine = [other for other in self._idle if other.peer_id == peer_id]
-        if len(mine) >= self.config.max_idle_per_peer:
-            self._drop(mine[0])
-        if len(self._idle) >= self.config.max_idle:
-            self._drop(next(iter(self._idle)))
-        if len(self._idle) >= self.config.max_idle:  # max_idle == 0
-            idle.close()
-            return
+        if not self._idle.add(peer_id, idle):
+            return  # a bound is 0: closed at once
         seconds = min(self.config.idle_timeout, state.reuse * IDLE_SHARE_OF_SERVER)
-        idle.timer = asyncio.get_running_loop().call_later(seconds, self._drop, idle)
-        self._idle[idle] = None
+        idle.timer = asyncio.get_running_loop().call_later(seconds, self._idle.drop, idle)
+        connection[0].on_end = functools.partial(self._idle.drop, idle)
 
     def close(self) -> None:
         """Closes every idle connection (calls in progress keep theirs, closed when they end)."""
-        for idle in list(self._idle):
-            self._drop(idle)
-
-    def _drop(self, idle: _Idle) -> None:
-        self._idle.pop(idle, None)
-        idle.close()
+        self._idle.drop_all()
 
     def take_idle(self, peer_id: PeerID) -> _Idle | None:
         """The newest usable idle connection to ``peer_id``, taken out of the pool: the caller owns it
         (it calls on it, or closes it). Unusable ones met on the way are closed."""
-        for idle in reversed(list(self._idle)):
-            if idle.peer_id != peer_id:
-                continue
-            del self._idle[idle]
-            if idle.timer is not None:
-                idle.timer.cancel()
-                idle.timer = None
+        while (idle := self._idle.take(peer_id)) is not None:
+            idle.stop_watching()
             if idle.usable():
                 return idle
-            idle.close()  # the server closed it meanwhile (or it broke): try the next one
+            idle.close()  # it broke without the protocol noticing yet: try the next one
         return None
 
     def is_failing(self, peer_id: PeerID) -> bool:
@@ -220,11 +216,13 @@ class DirectConnector:
         state = self._peers.get(peer_id)
         return state.last_failure if state is not None else None
 
-    async def connect(self, peer_id: PeerID, handler: str, deadline: float) -> Opened | None:
+    async def connect(self, peer_id: PeerID, handler: str, deadline: float, *, reuse: bool = True) -> Opened | None:
         """A connection to ``handler`` on ``peer_id``: an idle one (the handler name sent, its
-        ACCEPTED byte not yet read) or a new one whose hello was accepted; or None (use libp2p)."""
+        ACCEPTED byte not yet read; not with ``reuse=False``) or a new one whose hello was accepted;
+        or None (use libp2p)."""
         state = self._state(peer_id)
-        idle = self.take_idle(peer_id) if 1 <= len(handler.encode()) <= MAX_HANDLER_NAME_BYTES else None
+        reusable = reuse and 1 <= len(handler.encode()) <= MAX_HANDLER_NAME_BYTES
+        idle = self.take_idle(peer_id) if reusable else None
         if idle is not None:
             idle.connection[1].write(encode_handler_name(handler))
             self.reused += 1

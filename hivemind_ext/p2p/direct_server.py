@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from hivemind.p2p import PeerID
 
 from hivemind_ext.errors import ConfigurationError
+from hivemind_ext.p2p.bounded_idle import BoundedIdle
 from hivemind_ext.p2p.deadlines import check_durations
 from hivemind_ext.p2p.direct_records import new_session_key
 from hivemind_ext.p2p.direct_transport import DirectStream, start_direct_server
@@ -181,53 +182,18 @@ class TicketBook:
 ConnectionCallback = Callable[[DirectStream, asyncio.StreamWriter], Awaitable[None]]
 
 
-class IdleConnections:
-    """The server's connections that wait for their caller's next call, bounded per caller and in
-    all: registering one beyond a bound closes the oldest idle one (of that caller, or of anyone),
-    so a caller cannot hold more than ``max_idle_per_peer`` of them open however many it made."""
-
-    def __init__(self, max_per_peer: int, max_total: int) -> None:
-        self.max_per_peer, self.max_total = max_per_peer, max_total
-        # writer -> its caller, oldest first
-        self._idle: collections.OrderedDict[asyncio.StreamWriter, PeerID] = collections.OrderedDict()
-        self._per_peer: collections.Counter[PeerID] = collections.Counter()
-
-    def __len__(self) -> int:
-        return len(self._idle)
-
-    def count(self, peer_id: PeerID) -> int:
-        return self._per_peer[peer_id]
-
-    def add(self, writer: asyncio.StreamWriter, peer_id: PeerID) -> None:
-        if self._per_peer[peer_id] >= self.max_per_peer:
-            self._close(next(w for w, p in self._idle.items() if p == peer_id), "per-caller bound")
-        if len(self._idle) >= self.max_total:
-            self._close(next(iter(self._idle)), "bound")
-        self._idle[writer] = peer_id
-        self._per_peer[peer_id] += 1
-
-    def discard(self, writer: asyncio.StreamWriter) -> None:
-        peer_id = self._idle.pop(writer, None)
-        if peer_id is not None:
-            self._per_peer[peer_id] -= 1
-            if self._per_peer[peer_id] <= 0:
-                del self._per_peer[peer_id]
-
-    def close_all(self) -> None:
-        for writer in list(self._idle):
-            self._close(writer, "the listener stopped")
-
-    def _close(self, writer: asyncio.StreamWriter, why: str) -> None:
-        logger.debug(f"closing an idle direct connection of {self._idle.get(writer)} ({why})")
-        self.discard(writer)
-        writer.transport.abort()  # its task, waiting for the next call, sees the end and finishes
+def _close_idle(peer_id: PeerID, writer: asyncio.StreamWriter) -> None:
+    logger.debug(f"closing an idle direct connection of {peer_id} (an idle bound, or the listener stopped)")
+    writer.transport.abort()  # its task, waiting for the next call, sees the end and finishes
 
 
 class DirectListener:
     """A server socket whose connections go to ``on_connection`` (which must own and close them).
 
-    It keeps the registry of idle connections (:class:`IdleConnections`) that every server sharing
-    it uses; :meth:`stop_accepting` closes them too, so that callers stop using the direct path."""
+    It keeps the connections that wait for their caller's next call, for every server sharing it:
+    bounded per caller and in all (a caller cannot hold more than ``max_idle_per_peer`` of them
+    open however many it made, see :class:`~hivemind_ext.p2p.bounded_idle.BoundedIdle`);
+    :meth:`stop_accepting` closes them too, so that callers stop using the direct path."""
 
     def __init__(self, config: DirectConfig, on_connection: ConnectionCallback) -> None:
         self.config, self._on_connection = config, on_connection
@@ -235,7 +201,9 @@ class DirectListener:
         self.port = 0  # the bound port, once started
         self.accepted = 0  # connections accepted in all
         self.stopped = False  # stop_accepting() was called
-        self.idle = IdleConnections(config.max_idle_per_peer, config.max_idle)
+        self.idle: BoundedIdle[PeerID, asyncio.StreamWriter] = BoundedIdle(
+            config.max_idle_per_peer, config.max_idle, _close_idle
+        )
 
     @property
     def advertised(self) -> tuple[str, int]:
@@ -259,4 +227,4 @@ class DirectListener:
             self._server.close()
             self._server = None
         self.stopped = True
-        self.idle.close_all()
+        self.idle.drop_all()

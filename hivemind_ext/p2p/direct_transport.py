@@ -66,6 +66,8 @@ class DirectStream(asyncio.BufferedProtocol):
         self._connection_lost = False
         self._records: RecordOpener | None = None  # set once the connection is sealed
         self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # called once the peer ends or breaks the connection (set by whoever keeps it idle)
+        self.on_end: Callable[[], Any] | None = None
 
     # ----- protocol callbacks (called by the event loop)
 
@@ -162,6 +164,7 @@ class DirectStream(asyncio.BufferedProtocol):
         self._eof = True
         self._check_ended_between_records()
         self._wake()
+        self._ended_now()
         return True  # keep the transport open for writing, as asyncio's StreamReaderProtocol does
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -178,6 +181,12 @@ class DirectStream(asyncio.BufferedProtocol):
         self._wake()
         if not self._closed.done():
             self._closed.set_result(None)
+        self._ended_now()
+
+    def _ended_now(self) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     def pause_writing(self) -> None:
         self._writing_paused = True
@@ -330,6 +339,9 @@ async def connect_tcp(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
+        # the event loop sets TCP_NODELAY only on sockets made with proto=IPPROTO_TCP: without it a
+        # call's small frames waited for the ACK of the previous ones (40 ms of delayed ACK on Linux)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
         await loop.sock_connect(sock, (host, port))
     except BaseException:

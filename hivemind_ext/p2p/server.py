@@ -416,7 +416,7 @@ class RPCServer:
         if listener.stopped:
             writer.transport.abort()
             return None
-        listener.idle.add(writer, peer_id)
+        listener.idle.add(peer_id, writer)
         try:
             name = await read_handler_name(reader, now() + listener.config.idle_timeout)
         except asyncio.CancelledError:
@@ -508,8 +508,8 @@ class RPCServer:
                 if answered_by is not None:
                     linger = max(linger, answered_by - now())
                     if reusable and (route.kind == "unary" or stream.received_end):  # the caller may reuse it
-                        if stream.can_carry_next_call:
-                            await stream.flush(now() + linger)  # the call ends once its last frame left
+                        # the call ends once its last frame left (one the caller does not read: not reused)
+                        if stream.can_carry_next_call and await stream.flush(now() + linger):
                             clean = True
                             return True
                         stream.abort()  # at once (no linger): a caller that kept it sees it ended

@@ -38,7 +38,6 @@ WRITE_BUFFER_LOW = 1024 * 1024
 # that stops reading cannot pin our buffers forever.
 CLOSE_GRACE_SECONDS = 10.0
 LINGER_READ_BYTES = 256 * 1024
-FLUSH_POLL_SECONDS = 0.002
 
 
 def tune_transport(writer: asyncio.StreamWriter) -> None:
@@ -142,6 +141,18 @@ class FramedStream:
                 self.received_end = True
             return frame
 
+    @property
+    def preamble_pending(self) -> bool:
+        """True until the preamble (if any) was received: a stream that fails meanwhile reached no
+        handler (the server dispatches a call only after its ACCEPTED byte, see direct_wire)."""
+        return self._preamble is not None
+
+    async def receive_preamble(self, deadline: float) -> None:
+        """Reads the preamble now, if it is still to come (else the first :meth:`receive` does)."""
+        async with self._receive_lock:
+            if self._preamble is not None:
+                await self._receive_preamble(deadline)
+
     async def _receive_preamble(self, deadline: float) -> None:
         expected = self._preamble
         assert expected is not None
@@ -238,11 +249,27 @@ class FramedStream:
         if self._call_ended is not None and not self._call_ended.done():
             self._call_ended.set_result(None)
 
-    async def flush(self, deadline: float) -> None:
-        """Waits (until ``deadline`` at most) until what was written has left for the socket."""
+    async def flush(self, deadline: float) -> bool:
+        """Waits (until ``deadline`` at most) until what was written has left for the socket; whether
+        it did (False: the deadline passed or the stream broke; don't use the stream for another
+        call then). Nothing else may write meanwhile.
+
+        Transports tell their protocol only when the write buffer falls to the low-water mark
+        (``resume_writing``, what ``drain`` waits for), so the mark is 0 while this waits and
+        WRITE_BUFFER_HIGH / LOW again after."""
         transport = self.writer.transport
-        while transport.get_write_buffer_size() > 0 and not transport.is_closing() and now() < deadline:
-            await asyncio.sleep(FLUSH_POLL_SECONDS)
+        if transport.is_closing():
+            return False
+        if transport.get_write_buffer_size() == 0:
+            return True
+        try:
+            transport.set_write_buffer_limits(high=0, low=0)  # pauses the protocol until the buffer is empty
+            await wait_until(self.writer.drain(), deadline, "flushing a stream")
+        except (DeadlineExceededError, ConnectionError, OSError, RuntimeError):
+            return False
+        finally:
+            tune_transport(self.writer)
+        return transport.get_write_buffer_size() == 0 and not transport.is_closing()
 
     def release_or_close(self) -> None:
         """After a call that ended cleanly: hands the connection to ``release`` if it can carry
