@@ -31,6 +31,7 @@ from hivemind_ext.averaging.matchmaking.group import (
     SealedGroup,
     all_auxiliary,
     group_id_for,
+    plausible,
 )
 from hivemind_ext.averaging.matchmaking.lifetimes import LAG_MARGIN, seal_expiration
 from hivemind_ext.averaging.matchmaking.protocol import (
@@ -180,7 +181,7 @@ def test_members_join_a_sealed_group_and_the_marker_outlives_their_declaration()
 def test_a_peer_offered_two_groups_joins_the_lowest_leaders() -> None:
     # then the lowest id. By id alone it joined the higher leader's seal, and the lower leader, which no
     # open group takes in, was left in no group (1,000 simulated peers, 0% dying, seed 12)
-    cfg = config(target_group_size=2, min_group_size=2)
+    cfg = config(target_group_size=3, min_group_size=2)  # room for the three-member seal below
     me = declaration(3)
     lower, higher = _sealed((member(0), me.member)), _sealed((me.member, member(4)))
     assert higher.group_id < lower.group_id
@@ -701,6 +702,22 @@ def test_a_seal_that_starts_after_my_scheduled_time_is_not_joined(start_at: floa
     group = _hostile_seal(me, start_at=start_at)
     result = step(Looking(me), NOW, board_of(me, sealed={group.group_id: group}), cfg)
     assert isinstance(result.state, Following) == joined
+
+
+@pytest.mark.parametrize(("listed", "joined"), [(4, True), (5, False), (4096, False)])
+def test_a_seal_that_lists_more_members_than_the_target_is_not_joined(listed: int, joined: bool) -> None:
+    # no honest leader seals more than target_group_size members; a hostile one that listed a member among
+    # thousands of made-up ones made its round open a stream to each of them
+    cfg = config()  # groups of 4
+    me = declaration(2)
+    members = (member(0), me.member, *(member(index) for index in range(3, listed + 1)))
+    group = _sealed(members)
+    assert len(group.members) == listed
+    board = board_of(me, sealed={group.group_id: group})
+    assert isinstance(step(Looking(me), NOW, board, cfg).state, Following) == joined
+    assert plausible(group, me, NOW, cfg) == joined
+    # without a target (one group of everyone), the size alone says nothing
+    assert plausible(group, me, NOW, config(target_group_size=None, min_group_size=2))
 
 
 def test_a_peer_does_not_join_seals_of_a_leader_that_failed_it_but_joins_one_it_only_ignores() -> None:

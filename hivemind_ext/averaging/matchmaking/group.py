@@ -318,9 +318,14 @@ def plausible(group: SealedGroup, member: Declaration, now: float, config: Match
     scheduled time (an honest leader starts the group when its first member is due). A member does not
     join any other seal, and planners do not count it as claiming the member (:func:`looking_peers`):
     a hostile seal with a commit or start time far ahead held every member it listed until its
-    deadline, and took it out of every honest peer's plans until then."""
-    return group.commit_by <= min(member.deadline, now + SEAL_HORIZON * config.request_timeout) and (
-        group.start_at <= member.ready_at
+    deadline, and took it out of every honest peer's plans until then. Nor does it list more than
+    ``target_group_size`` members (:func:`plan_groups` never plans more): a hostile seal that listed
+    the member among thousands of made-up ones made its round open a stream to each."""
+    target = config.target_group_size
+    return (
+        group.commit_by <= min(member.deadline, now + SEAL_HORIZON * config.request_timeout)
+        and group.start_at <= member.ready_at
+        and (target is None or len(group.members) <= target)
     )
 
 
