@@ -220,6 +220,11 @@ class CountingDHT(hivemind.DHT):
         future = _counted(super().store(*args, return_future=True, **kwargs), self.counters)
         return future if return_future else future.result()
 
+    def run_coroutine(self, coro: Callable[..., Any], return_future: bool = False) -> Any:
+        # our matchmaking's reads and stores (scale.py --our-dht process); hivemind's averager calls get / store
+        future = _counted(super().run_coroutine(coro, return_future=True), self.counters)
+        return future if return_future else future.result()
+
 
 def wait_created(make: Callable[[], Any], attempts: int = 3) -> Any:
     """``make()``, retried: on a loaded machine a bootstrap ping times out now and then."""

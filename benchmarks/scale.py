@@ -5,6 +5,11 @@
    the process's event loop instead of each being a process of its own; hivemind's peers keep a
    ``hivemind.DHT`` process each, since its averager is a forked process that reaches its DHT over
    a pipe). Peer ``i`` averages ``--size`` floats (default 1024) holding the value ``i``.
+   ``--our-dht process`` gives each of our peers a ``hivemind.DHT`` process too; with ``--per-host 1``
+   our peers are then laid out as hivemind's are (an averager process and a DHT process each). In the
+   default layout one GIL serves 8 averagers and 8 DHT nodes, and the matchmaking's last DHT stores
+   (issued without waiting) run during the all-reduce: ``benchmarks/round_trace.py`` shows a 4 KiB
+   round taking 0.06-0.08 s when they had finished before it and 0.11-0.16 s when they had not.
 
    a. Rotating groups of ``--group`` (default 8) at each ``--peers`` (default 8 16): ours with the
       swarm's size as ``expected_group_size`` (peers read only their shard's board); hivemind's
@@ -91,6 +96,9 @@ class RealCase:
     rounds: int
     matchmaking_time: float
     per_host: int  # peers per host process
+    # ours: "hosted" (DHT nodes on the host process's shared loop, see hosted_dht.py) or "process"
+    # (a hivemind.DHT process per peer, as hivemind's peers have)
+    our_dht: str = "hosted"
 
     @property
     def name(self) -> str:
@@ -168,7 +176,10 @@ def start_peer(index: int, case: RealCase, initial: list[str], host: Any) -> tup
     if case.impl == "ours":
         from hivemind_ext.averaging import DecentralizedAverager
 
-        dht = wait_created(lambda: HostedDHT(host, initial, counters=counters, **loopback))
+        if case.our_dht == "process":
+            dht = wait_created(lambda: CountingDHT(initial_peers=initial, counters=counters, start=True, **loopback))
+        else:
+            dht = wait_created(lambda: HostedDHT(host, initial, counters=counters, **loopback))
         bits = ""
     else:
         from hivemind.averaging import DecentralizedAverager
@@ -232,7 +243,7 @@ def host_main(case: RealCase, indices: list[int], initial: list[str], barrier: A
     from hosted_dht import DHTHost
 
     torch.set_num_threads(1)
-    host = DHTHost() if case.impl == "ours" else None
+    host = DHTHost() if case.impl == "ours" and case.our_dht == "hosted" else None
     peers: list[tuple[Any, Any, Any]] = []
     cpu_before: dict[str, float] = {}
     try:
@@ -391,7 +402,9 @@ def grouped_rows(args: argparse.Namespace) -> list[Result]:
     """Rotating groups of ``--group`` at each ``--peers``: matchmaking, DHT traffic, memory, mixing."""
 
     def case_of(impl: str, peers: int) -> RealCase:
-        return RealCase(impl, peers, args.group, args.size, args.rounds, args.matchmaking_time, args.per_host)
+        return RealCase(
+            impl, peers, args.group, args.size, args.rounds, args.matchmaking_time, args.per_host, args.our_dht
+        )
 
     results = []
     for peers, (ours, theirs) in real_results(case_of, args, args.peers).items():
@@ -425,7 +438,9 @@ def big_group_rows(args: argparse.Namespace) -> list[Result]:
     per peer whatever N): the butterfly round time at each ``--big-peers``."""
 
     def case_of(impl: str, peers: int) -> RealCase:
-        return RealCase(impl, peers, None, args.big_size, args.big_rounds, args.matchmaking_time, args.per_host)
+        return RealCase(
+            impl, peers, None, args.big_size, args.big_rounds, args.matchmaking_time, args.per_host, args.our_dht
+        )
 
     results = []
     for peers, (ours, theirs) in real_results(case_of, args, args.big_peers).items():
@@ -616,6 +631,12 @@ def main() -> None:
     parser.add_argument("--big-size", type=int, default=65536, help="floats per peer in one group of everyone")
     parser.add_argument("--big-rounds", type=int, default=2)
     parser.add_argument("--per-host", type=int, default=8, help="real peers per Python process")
+    parser.add_argument(
+        "--our-dht",
+        choices=("hosted", "process"),
+        default="hosted",
+        help="our peers' DHT nodes: on their host process's shared loop, or a hivemind.DHT process each",
+    )
     parser.add_argument("--matchmaking-time", type=float, default=5.0)
     parser.add_argument("--sim-peers", type=int, default=1000)
     parser.add_argument("--no-hivemind", action="store_true")

@@ -15,6 +15,18 @@ multiplexes every stream over it. Measured (benchmarks/RESULTS.md, session 8): 1
 So a stream goes over the direct path unless its sender or its owner declared a link thinner than
 :data:`DIRECT_PATH_MIN_MBIT`; a member that declared nothing (every peer's first round) counts as
 fast. The choice is the sender's (it opens the stream), from the member list every member shares.
+
+Except for small slices: a stream that carries at most :data:`SMALL_SLICE_BYTES` of values takes the
+direct path whatever the links. The argument above is about transfers long enough to be bound by
+the link; a slice that a 150 Mbit/s link moves in a few tens of ms is bound by latency and CPU on
+either path, and there the direct path saves the daemons' work and (since direct connections are
+reused across rounds) the libp2p stream set-up. It also keeps small rounds off libp2p for a reason
+that is no link at all: a declared bandwidth is, without ``bandwidth=``, the rate measured in the
+peer's own rounds (:mod:`.throughput`), a lower bound that a short round holds far below the link.
+Measured with benchmarks/scale.py's one group of 8 peers with 256 KiB each (session 17): every peer
+measured ~20 Mbit/s on loopback after its first round, so every later round ran all 56 streams
+over libp2p (13-34 ms median, up to 90 ms, to open a stream through the daemons) instead of
+reusing the direct connections the first round had opened.
 """
 
 from __future__ import annotations
@@ -25,8 +37,14 @@ from hivemind_ext.averaging.matchmaking.group import Member
 # bytes on the wire: a 100 Mbit/s link measures 75-95; four peers on loopback measure 1-2 Gbit/s
 # without compression and 300-450 Mbit/s with 8-bit (CPU-bound, at load 6), which stays above it.
 DIRECT_PATH_MIN_MBIT = 150.0
+# A stream that carries at most this many bytes of values takes the direct path whatever the links
+# (56 ms at DIRECT_PATH_MIN_MBIT; not measured on thin links: a bound on what the argument above covers)
+SMALL_SLICE_BYTES = 1 << 20
 
 
-def direct_path_pays(sender: Member, owner: Member) -> bool:
-    """Whether the stream from ``sender`` to ``owner`` should use the direct path (where it is on)."""
+def direct_path_pays(sender: Member, owner: Member, slice_bytes: int | None = None) -> bool:
+    """Whether the stream from ``sender`` to ``owner`` should use the direct path (where it is on);
+    ``slice_bytes``: the bytes of values it carries (the sender's slice of the owner's part)."""
+    if slice_bytes is not None and slice_bytes <= SMALL_SLICE_BYTES:
+        return True
     return all(member.bandwidth is None or member.bandwidth >= DIRECT_PATH_MIN_MBIT for member in (sender, owner))

@@ -134,8 +134,9 @@ async def exchange_with_owner(context: RoundContext, client: RPCClient, owner: i
 async def _exchange(
     context: RoundContext, client: RPCClient, owner: int
 ) -> tuple[tuple[PeerID, ...], list[tuple[PeerID, ...]]]:
-    peer = context.peers[owner]
-    direct = direct_path_pays(context.members[context.me], context.members[owner])  # see .paths
+    peer, layout = context.peers[owner], _layout(context)
+    slice_bytes = sum(chunk.numel * layout.tensors[chunk.tensor].dtype.itemsize for chunk in layout.parts[owner].chunks)
+    direct = direct_path_pays(context.members[context.me], context.members[owner], slice_bytes)  # see .paths
     stream = await client.open_stream(
         peer, HANDLER_NAME, deadline=context.deadline, limits=context.limits, direct=direct
     )
