@@ -8,8 +8,9 @@
    ``--our-dht process`` gives each of our peers a ``hivemind.DHT`` process too; with ``--per-host 1``
    our peers are then laid out as hivemind's are (an averager process and a DHT process each). In the
    default layout one GIL serves 8 averagers and 8 DHT nodes, and the matchmaking's last DHT stores
-   (issued without waiting) run during the all-reduce: ``benchmarks/round_trace.py`` shows a 4 KiB
-   round taking 0.06-0.08 s when they had finished before it and 0.11-0.16 s when they had not.
+   (issued without waiting) run during the all-reduce: a stage-by-stage trace (benchmarks/RESULTS.md,
+   session 17) showed a 4 KiB round taking 0.06-0.08 s when they had finished before it and
+   0.11-0.16 s when they had not.
 
    a. Rotating groups of ``--group`` (default 8) at each ``--peers`` (default 8 16): ours with the
       swarm's size as ``expected_group_size`` (peers read only their shard's board); hivemind's
