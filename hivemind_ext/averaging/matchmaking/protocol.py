@@ -611,6 +611,13 @@ def _strays(
     ignored = _current(state.ignored, now)
     if isinstance(state, Looking) and ignored & members:
         return ()
+    if config.shard_depth and isinstance(state, Leading):
+        # on a shard's board, a stray above this leader is taken in even if this leader ignores it: what
+        # bounds a hostile stray's cost is reopened (once per stray peer). A member that joined a lower
+        # leader's rival seal is ignored by the leader it left, for the round; when its group broke up and
+        # it was left over, the one group with room on its shard, that leader's, did not take it in, and it
+        # fell back alone to the prefix's board (1,000 simulated peers, 0% dying, seeds 11 and 17)
+        ignored = {peer for peer in ignored if peer < me.member.peer_id}
     # a member that looks again under a new attempt is a stray too: this group lists its old one, which
     # never confirms (see _take_in)
     moved = {d.member.peer_id for d in board.declarations.values() if d.member.key not in group.keys} & members
