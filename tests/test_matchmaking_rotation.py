@@ -527,6 +527,42 @@ def test_a_group_with_room_on_a_shard_takes_in_a_stray_above_it_that_its_leader_
     assert step(unsharded, 19.7, board, flat).state.group == group, "one board: ignored as before"
 
 
+def test_a_group_with_room_on_a_shard_waits_for_a_higher_rival_seal_of_its_member_before_it_commits() -> None:
+    # Its hold is over and every member confirmed, but a leader above it sealed one of its members too:
+    # that leader abandons its seal once it reads the member's marker, and looks again as a stray that
+    # this group takes in; committed at once, the group left it alone (protocol._rivals, 2% dying, seed 10)
+    cfg = config(target_group_size=4, digits=(0, 0, 1), shard_depth=1, expected_group_size=16, min_matchmaking_time=1.0)
+    peers = [shard_peer(i, (i, 0, 1), cfg, declared_at=10.0, ready_at=20.0) for i in (3, 4, 5)]
+    sealed = step(Looking(peers[0]), 19.6, board_of(*peers), cfg)
+    group = sealed.state.group
+    joined = {d.member.key: group.group_id for d in peers}
+    stray = shard_peer(7, (3, 0, 1), cfg, declared_at=10.0, ready_at=20.0)
+    rival = _seal_of([peers[2], stray], cfg, start_at=20.0)  # led by peer 5, above the leader (3)
+    after_hold = 20.0 - HOLD_POLLS * cfg.poll_interval + 0.01
+    alone = board_of(*peers, sealed={group.group_id: group}, markers=joined)
+    assert step(sealed.state, after_hold, alone, cfg).group is not None, "no rival: it commits"
+    marks = {**joined, stray.member.key: rival.group_id}  # the rival's other member joined it
+    both = board_of(*peers, sealed={group.group_id: group, rival.group_id: rival}, markers=marks)
+    waits = step(sealed.state, after_hold, both, cfg)
+    assert waits.group is None and waits.state.group == group, "it waits for the rival's leader"
+    assert step(sealed.state, group.commit_by, both, cfg).group is not None, "never past commit_by"
+
+
+def test_a_1000_peer_swarm_with_dead_peers_leaves_no_live_peer_over_where_two_strays_sealed_one_peer() -> None:
+    # 1,000 simulated peers in groups of 8, 2% dying, seed 10 (as benchmarks/scale.py runs them): see
+    # protocol._rivals
+    cfg = config(prefix="sim", target_group_size=8, min_matchmaking_time=1.0)
+    peers = [simulated_peer_id(i) for i in range(1000)]
+    coordinates = {p: initial_digits(p, 8) for p in peers}
+    dying = random.Random(10).sample(peers, 20)
+    result = simulate_round(
+        coordinates, cfg, swarm_size=1000, seed=10, max_lag=0.05, spread=0.5, dying=dying, scheduled_time=1.0
+    )
+    committed(dict(result.groups))
+    assert result.ungrouped == (), "a live peer was left in no group"
+    assert result.polls_to_group <= 10
+
+
 def test_a_1000_peer_swarm_leaves_no_live_peer_over_where_a_leader_ignored_its_stray() -> None:
     # 1,000 simulated peers in groups of 8, 0% dying, seed 17 (as benchmarks/scale.py runs them): a member
     # that joined a lower leader's rival seal was ignored for the round by the leader it left; its group

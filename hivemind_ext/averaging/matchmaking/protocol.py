@@ -576,16 +576,20 @@ def _lowest_leader(group: SealedGroup) -> tuple[PeerKey, str]:
 
 
 def _rivals(group: SealedGroup, state: Leading, now: float, board: Board, config: MatchmakingConfig) -> bool:
-    """Whether the leader of ``group``, open on the prefix's board with room, waits before it commits
-    for the leader of another open seal that lists one of its members: a leader above it, which
-    abandons that seal once it reads the member's marker, and looks again as a stray that this group
-    takes in (:func:`_strays`). Two leaders that had sealed the last peers of the prefix's board around
-    one peer each used to commit the lower group as soon as its members confirmed, a read before the
-    higher one abandoned: that one was then the last live peer in no group (1,000 simulated peers, 0%
-    dying, seed 8). Bounded by ``commit_by``, as the wait for a silent member: a hostile leader that
-    keeps such a seal open costs this group what a silent member costs."""
+    """Whether the leader of ``group``, open with room, waits before it commits for the leader of
+    another open seal that lists one of its members: a leader above it, which abandons that seal once
+    it reads the member's marker, and looks again as a stray that this group takes in
+    (:func:`_strays`). Two leaders that had sealed the last peers of the prefix's board around one peer
+    each used to commit the lower group as soon as its members confirmed, a read before the higher one
+    abandoned: that one was then the last live peer in no group (1,000 simulated peers, 0% dying, seed
+    8). On a shard's board too: two strays that came to a sibling shard's board at once sealed its one
+    peer (which had died) each, took in a third stray that joined the lower seal, and waited for the
+    dead member until its declaration went stale; the lower group then committed on the read where the
+    higher leader abandoned, and that leader fell back alone to the prefix's board (2% dying, seed 10).
+    Bounded by ``commit_by``, as the wait for a silent member: a hostile leader that keeps such a seal
+    open costs this group what a silent member costs."""
     target, me = config.target_group_size, state.declaration.member
-    if config.shard_depth or (target is not None and len(group.members) >= target):
+    if target is not None and len(group.members) >= target:
         return False
     members = group.keys - {me.key}
     left_out = _current(state.ignored, now) | state.reopened
