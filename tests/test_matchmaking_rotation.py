@@ -530,14 +530,15 @@ def test_a_group_with_room_on_a_shard_takes_in_a_stray_above_it_that_its_leader_
 def test_a_group_with_room_on_a_shard_waits_for_a_higher_rival_seal_of_its_member_before_it_commits() -> None:
     # Its hold is over and every member confirmed, but a leader above it sealed one of its members too:
     # that leader abandons its seal once it reads the member's marker, and looks again as a stray that
-    # this group takes in; committed at once, the group left it alone (protocol._rivals, 2% dying, seed 10)
+    # this group takes in; committed at once, the group left it alone (protocol._rivals, 2% dying, seed 10).
+    # Not for a member that joined the rival: that seal stays open (0% dying, seed 8 waited until it closed)
     cfg = config(target_group_size=4, digits=(0, 0, 1), shard_depth=1, expected_group_size=16, min_matchmaking_time=1.0)
-    peers = [shard_peer(i, (i, 0, 1), cfg, declared_at=10.0, ready_at=20.0) for i in (3, 4, 5)]
+    peers = [shard_peer(i, (i % 4, 0, 1), cfg, declared_at=10.0, ready_at=20.0) for i in (3, 4, 6)]
     sealed = step(Looking(peers[0]), 19.6, board_of(*peers), cfg)
     group = sealed.state.group
     joined = {d.member.key: group.group_id for d in peers}
-    stray = shard_peer(7, (3, 0, 1), cfg, declared_at=10.0, ready_at=20.0)
-    rival = _seal_of([peers[2], stray], cfg, start_at=20.0)  # led by peer 5, above the leader (3)
+    stray = shard_peer(5, (1, 0, 1), cfg, declared_at=10.0, ready_at=20.0)
+    rival = _seal_of([stray, peers[2]], cfg, start_at=20.0)  # led by the stray (5), above the leader (3)
     after_hold = 20.0 - HOLD_POLLS * cfg.poll_interval + 0.01
     alone = board_of(*peers, sealed={group.group_id: group}, markers=joined)
     assert step(sealed.state, after_hold, alone, cfg).group is not None, "no rival: it commits"
@@ -546,6 +547,10 @@ def test_a_group_with_room_on_a_shard_waits_for_a_higher_rival_seal_of_its_membe
     waits = step(sealed.state, after_hold, both, cfg)
     assert waits.group is None and waits.state.group == group, "it waits for the rival's leader"
     assert step(sealed.state, group.commit_by, both, cfg).group is not None, "never past commit_by"
+    # a member that joined the rival keeps that seal open: no wait for it (the group commits without it)
+    lost = board_of(*peers, sealed=both.sealed, markers={**marks, peers[2].member.key: rival.group_id})
+    short = step(sealed.state, after_hold, lost, cfg).group
+    assert short is not None and peers[2].member not in short.members
 
 
 def test_a_1000_peer_swarm_with_dead_peers_leaves_no_live_peer_over_where_two_strays_sealed_one_peer() -> None:

@@ -586,8 +586,10 @@ def _rivals(group: SealedGroup, state: Leading, now: float, board: Board, config
     peer (which had died) each, took in a third stray that joined the lower seal, and waited for the
     dead member until its declaration went stale; the lower group then committed on the read where the
     higher leader abandoned, and that leader fell back alone to the prefix's board (2% dying, seed 10).
-    Bounded by ``commit_by``, as the wait for a silent member: a hostile leader that keeps such a seal
-    open costs this group what a silent member costs."""
+    Only for a member that joined this group: one that joined the rival seal keeps it open, and a lower
+    group on a shard's board that waited for it until it committed was then left with its leader alone
+    (0% dying, seed 8 again). Bounded by ``commit_by``, as the wait for a silent member: a hostile leader that
+    keeps such a seal open costs this group what a silent member costs."""
     target, me = config.target_group_size, state.declaration.member
     if target is not None and len(group.members) >= target:
         return False
@@ -598,7 +600,7 @@ def _rivals(group: SealedGroup, state: Leading, now: float, board: Board, config
         and other.leader.key > me.key
         and other.leader.peer_id not in left_out
         and is_open(other, now, board)
-        and other.keys & members
+        and any(board.markers.get(key) == group.group_id for key in other.keys & members)
         for other in board.sealed.values()
     )
 
