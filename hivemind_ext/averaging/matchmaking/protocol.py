@@ -576,16 +576,22 @@ def _lowest_leader(group: SealedGroup) -> tuple[PeerKey, str]:
 
 
 def _rivals(group: SealedGroup, state: Leading, now: float, board: Board, config: MatchmakingConfig) -> bool:
-    """Whether the leader of ``group``, open on the prefix's board with room, waits before it commits
-    for the leader of another open seal that lists one of its members: a leader above it, which
-    abandons that seal once it reads the member's marker, and looks again as a stray that this group
-    takes in (:func:`_strays`). Two leaders that had sealed the last peers of the prefix's board around
-    one peer each used to commit the lower group as soon as its members confirmed, a read before the
-    higher one abandoned: that one was then the last live peer in no group (1,000 simulated peers, 0%
-    dying, seed 8). Bounded by ``commit_by``, as the wait for a silent member: a hostile leader that
+    """Whether the leader of ``group``, open with room, waits before it commits for the leader of
+    another open seal that lists one of its members: a leader above it, which abandons that seal once
+    it reads the member's marker, and looks again as a stray that this group takes in
+    (:func:`_strays`). Two leaders that had sealed the last peers of the prefix's board around one peer
+    each used to commit the lower group as soon as its members confirmed, a read before the higher one
+    abandoned: that one was then the last live peer in no group (1,000 simulated peers, 0% dying, seed
+    8). On a shard's board too: two strays that came to a sibling shard's board at once sealed its one
+    peer (which had died) each, took in a third stray that joined the lower seal, and waited for the
+    dead member until its declaration went stale; the lower group then committed on the read where the
+    higher leader abandoned, and that leader fell back alone to the prefix's board (2% dying, seed 10).
+    Only for a member that joined this group: one that joined the rival seal keeps it open, and a lower
+    group on a shard's board that waited for it until it committed was then left with its leader alone
+    (0% dying, seed 8 again). Bounded by ``commit_by``, as the wait for a silent member: a hostile leader that
     keeps such a seal open costs this group what a silent member costs."""
     target, me = config.target_group_size, state.declaration.member
-    if config.shard_depth or (target is not None and len(group.members) >= target):
+    if target is not None and len(group.members) >= target:
         return False
     members = group.keys - {me.key}
     left_out = _current(state.ignored, now) | state.reopened
@@ -594,7 +600,7 @@ def _rivals(group: SealedGroup, state: Leading, now: float, board: Board, config
         and other.leader.key > me.key
         and other.leader.peer_id not in left_out
         and is_open(other, now, board)
-        and other.keys & members
+        and any(board.markers.get(key) == group.group_id for key in other.keys & members)
         for other in board.sealed.values()
     )
 
@@ -611,6 +617,13 @@ def _strays(
     ignored = _current(state.ignored, now)
     if isinstance(state, Looking) and ignored & members:
         return ()
+    if config.shard_depth and isinstance(state, Leading):
+        # on a shard's board, a stray above this leader is taken in even if this leader ignores it: what
+        # bounds a hostile stray's cost is reopened (once per stray peer). A member that joined a lower
+        # leader's rival seal is ignored by the leader it left, for the round; when its group broke up and
+        # it was left over, the one group with room on its shard, that leader's, did not take it in, and it
+        # fell back alone to the prefix's board (1,000 simulated peers, 0% dying, seeds 11 and 17)
+        ignored = {peer for peer in ignored if peer < me.member.peer_id}
     # a member that looks again under a new attempt is a stray too: this group lists its old one, which
     # never confirms (see _take_in)
     moved = {d.member.peer_id for d in board.declarations.values() if d.member.key not in group.keys} & members
