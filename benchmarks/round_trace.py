@@ -302,6 +302,19 @@ async def _store_then_read(*a, **k):
 
 
 mm_mod._store_then_read = _store_then_read
+_orig_direct = getattr(mm_mod, "_store_direct", None)  # the stores without a search (when the library has them)
+
+
+async def _store_direct(*a, **k):
+    t = time.perf_counter()
+    try:
+        return await _orig_direct(*a, **k)
+    finally:
+        STR_DONE.append((t, time.perf_counter(), current_round[0], "direct"))
+
+
+if _orig_direct is not None:
+    mm_mod._store_direct = _store_direct
 # loop lag probes
 lags = collections.defaultdict(list)
 
@@ -390,7 +403,8 @@ def main():
         kinds = collections.Counter(e[2][:2] for e in NOWAIT if e[1] == r)
         print(f"   store_nowait issued (ms rel. first trigger): {sorted(round(x) for x in nw)} subkeys {dict(kinds)}")
         sd = [(round(1000 * (a - t0)), round(1000 * (b - t0)), rd) for a, b, rr, rd in STR_DONE if rr == r]
-        print(f"   DHT store_then_read (start, end ms, read?) overlapping window: {[x for x in sd if x[1] > 0]}")
+        overlapping = [x for x in sd if x[1] > 0]
+        print(f"   DHT store_then_read / store_direct (start, end ms, read? or direct) in window: {overlapping}")
         ex = [1000 * x for k in keys for x in T[k].get("exchanges", [])]
         print(f"   exchanges: median {statistics.median(ex):.1f} max {max(ex):.1f} ms")
     print("median over rounds of per-round median stage time (ms):")
