@@ -722,7 +722,12 @@ async def _store_direct(key: str, writes: tuple[Write, ...], _dht: DHT, node: DH
     itself, and its search is the read's, with the same beam), so a later read, which asks those
     nodes, finds the records. It skips the search, whose every answer carries the whole board, which
     this process would validate record by record. Without a fresh read of the key, or if any replica
-    does not answer, it stores through :func:`_store_then_read` (a search) instead."""
+    does not answer, it stores through :func:`_store_then_read` (a search) instead.
+
+    Measured with benchmarks/scale.py's real 8 peers in one process (groups of 8, 4 KiB, 2 shared
+    cores, 6 runs each, alternated): all-reduce 0.065-0.072 s (before: 0.083-0.218 s), Python CPU
+    per peer and round 0.054-0.072 s (before: 0.053-0.079 s, median 0.067 against 0.054); the round
+    trace's DHT requests served during the all-reduce went from 7-30 rpc_find to 0-7."""
     key_id = DHTID.generate(source=key)
     memory = getattr(node, _NEAREST_ATTR, None) or {}
     known = memory.get(key_id)
