@@ -726,7 +726,7 @@ async def _store_direct(key: str, writes: tuple[Write, ...], _dht: DHT, node: DH
 
     Measured with benchmarks/scale.py's real 8 peers in one process (groups of 8, 4 KiB, 2 shared
     cores, 6 runs each, alternated): all-reduce 0.065-0.072 s (before: 0.083-0.218 s), Python CPU
-    per peer and round 0.054-0.072 s (before: 0.053-0.079 s, median 0.067 against 0.054); the round
+    per peer and round 0.054-0.072 s (before: 0.053-0.079 s, median 0.067 against 0.055); the round
     trace's DHT requests served during the all-reduce went from 7-30 rpc_find to 0-7."""
     key_id = DHTID.generate(source=key)
     memory = getattr(node, _NEAREST_ATTR, None) or {}
