@@ -661,3 +661,87 @@ def test_honest_peers_leave_a_hostile_leader_and_regroup(swarm, network, desk) -
     assert {m.peer_id for m in group.members} == peer_ids(swarm, honest)
     print(f"{desk.__name__}: the honest peers regrouped in {elapsed * 1000:.0f} ms")
     assert elapsed < 10.0
+
+
+async def _count_finds(key: str, _dht: Any, node: Any) -> int:
+    """Run in a DHT process: from now on, counts that node's find requests for ``key``; returns the count."""
+    from hivemind.dht.routing import DHTID
+
+    key_id = DHTID.generate(source=key)
+    counts = node.__dict__.setdefault("_test_find_counts", {})
+    if "_test_original_call_find" not in node.__dict__:
+        original = node._test_original_call_find = node.protocol.call_find
+
+        async def counting(peer: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
+            for searched in keys:
+                counts[searched] = counts.get(searched, 0) + 1
+            return await original(peer, keys, *args, **kwargs)
+
+        node.protocol.call_find = counting
+    return counts.get(key_id, 0)
+
+
+async def _holds(key: str, subkey: bytes, _dht: Any, node: Any) -> bool:
+    """Run in a DHT process: whether this node's own storage holds ``subkey`` under ``key``."""
+    from hivemind.dht.routing import DHTID
+
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    return found is not None and subkey in getattr(found.value, "data", {})
+
+
+def _nowait_store_then_read_by_another(swarm, after_read: bool) -> tuple[int, set[int]]:
+    """Peer 0 stores a record without waiting (``_store_nowait``, after a read of the board if
+    ``after_read``); peer 1 must read it, and the DHTs that hold it must be those a searching store
+    puts a record under the same key on. Returns how many searches for the board's key peer 0's DHT
+    made for the store, and which DHTs hold the record."""
+    from hivemind_ext.averaging.matchmaking.board import Write
+
+    writer, reader = matchmaker(swarm, 0, prefix()), matchmaker(swarm, 1, prefix())
+    reader.config = writer.config
+    key, token = writer._key, secrets.token_hex(8)
+
+    async def scenario() -> tuple[int, bool, set[int]]:
+        await writer.prepare(timeout=10)
+        await reader.prepare(timeout=10)
+        deadline = get_dht_time() + 20
+        if after_read:
+            await writer._exchange((), True, deadline)
+        before = swarm[0].run_coroutine(functools.partial(_count_finds, key))
+        write = Write(f"probe-{token}", {"token": token}, get_dht_time() + 30)
+        writer._store_nowait(write, key)
+        subkey, seen = writer._signed(write.subkey), False
+        while not seen and get_dht_time() < deadline:
+            await asyncio.sleep(0.05)
+            found = swarm[1].get(key, latest=True)
+            seen = found is not None and subkey in found.value
+        await asyncio.sleep(0.2)  # a searching store's last requests
+        searches = swarm[0].run_coroutine(functools.partial(_count_finds, key)) - before
+        holders = {i for i, dht in enumerate(swarm) if dht.run_coroutine(functools.partial(_holds, key, subkey))}
+        # where a searching store (every other matchmaking store) puts a record under the same key
+        searched = Write(f"searched-{token}", {"token": token}, get_dht_time() + 30)
+        assert (await writer._exchange((searched,), False, deadline, all_replicas=True))[0]
+        other = writer._signed(searched.subkey)
+        expected = {i for i, dht in enumerate(swarm) if dht.run_coroutine(functools.partial(_holds, key, other))}
+        return searches, seen, holders, expected
+
+    searches, seen, holders, expected = asyncio.run(scenario())
+    assert seen, "another peer's read did not find the record"
+    assert holders == expected, "not the nodes a searching store picks"
+    return searches, holders
+
+
+@pytest.mark.timeout(60)
+def test_a_nowait_store_after_a_read_goes_straight_to_the_nearest_nodes(swarm) -> None:
+    """A store nobody waits for (a member's marker, a direct leader's commit) skips the search after a
+    read of the board: it goes to the ``num_replicas`` nodes that read ended at, which are the nodes
+    another peer's read asks, so that read finds it; no find request is sent for it."""
+    searches, holders = _nowait_store_then_read_by_another(swarm, after_read=True)
+    assert searches == 0
+    assert CLIENT not in holders and 1 <= len(holders) <= 5  # hivemind's default num_replicas
+
+
+@pytest.mark.timeout(60)
+def test_a_nowait_store_without_a_read_searches_and_lands_as_well(swarm) -> None:
+    searches, holders = _nowait_store_then_read_by_another(swarm, after_read=False)
+    assert searches > 0
+    assert CLIENT not in holders and 1 <= len(holders) <= 5
