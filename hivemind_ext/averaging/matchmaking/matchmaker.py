@@ -699,8 +699,9 @@ def _watch_searches(node: DHTNode) -> dict[Any, tuple[float, list[tuple[Any, Pee
     if original is None:
         return memory
 
-    def remembering(search: Any, nearest_nodes: list, node_to_peer_id: dict, *args: Any, **kwargs: Any) -> Any:
-        try:
+    def remembering(*args: Any, **kwargs: Any) -> Any:
+        try:  # hivemind 1.1.10-1.1.12 pass (search, nearest_nodes, node_to_peer_id, ...) by position
+            search, nearest_nodes, node_to_peer_id = args[:3]
             nearest = [(node_id, node_to_peer_id[node_id]) for node_id in nearest_nodes if node_id in node_to_peer_id]
             memory.pop(search.key_id, None)
             memory[search.key_id] = (time.monotonic(), nearest)
@@ -708,7 +709,7 @@ def _watch_searches(node: DHTNode) -> dict[Any, tuple[float, list[tuple[Any, Pee
                 memory.pop(next(iter(memory)))
         except Exception:  # never break hivemind's get
             pass
-        return original(search, nearest_nodes, node_to_peer_id, *args, **kwargs)
+        return original(*args, **kwargs)  # whatever hivemind passes, unchanged
 
     node._cache_new_result = remembering
     return memory
