@@ -194,15 +194,23 @@ def coarser(depth: int) -> int:
     return max(0, depth - 1)
 
 
-def sibling(digits: Digits, depth: int, base: int) -> Digits:
+def sibling(digits: Digits, depth: int, base: int, hop: int = 1) -> Digits:
     """The coordinates a stray declares with to visit the next sibling shard (see "Strays" above): the
     shard's oldest digit (``digits[-depth]``) moved on by one, modulo ``base``; the shards of one
-    coarser shard are visited in turn. Only the declaration changes: the peer's own coordinates, which
-    its groups move, stay as they were."""
+    coarser shard are visited in turn. On its ``hop``-th visit, a multiple of ``base``, the stray has
+    been round its coarser shard's ring, and the next digit moves on by one too (and so on, an
+    odometer over the shard's digits): it goes on round the ring of a cousin shard. Within one coarser
+    shard the rests need not add up to groups (200 peers in groups of 4: 5 peers over in one coarser
+    shard, groups of 3 with room in the others; one peer in no group in 25 of 40 seeds). Only the
+    declaration changes: the peer's own coordinates, which its groups move, stay as they were."""
     if depth <= 0 or depth > len(digits):
         return tuple(digits)
-    index = len(digits) - depth
-    return (*digits[:index], (digits[index] + 1) % base, *digits[index + 1 :])
+    moved, index = list(digits), len(digits) - depth
+    for level in range(depth):
+        moved[index + level] = (moved[index + level] + 1) % base
+        if base < 2 or hop % base ** (level + 1):
+            break
+    return tuple(moved)
 
 
 def ranking(digits: Digits) -> Digits:
