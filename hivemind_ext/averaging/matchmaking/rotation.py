@@ -43,8 +43,9 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   ``M`` (fewer than ``min_group_size`` left), or a shard of one. At the latest when it would be
   planned ahead, it visits the next sibling shard (:func:`sibling`: the same coarser shard, the
   shard's oldest digit moved on by one), a board of about one group, where a group with room takes it
-  in or it joins that shard's plan; it goes on round the siblings (its own shard among them) until
-  its scheduled time, then falls back as above.
+  in or it joins that shard's plan; it goes on round the siblings, then round the next coarser
+  shard's (an odometer over the shard's digits: one coarser shard's rests need not add up to groups),
+  until its scheduled time, then falls back as above.
   Falling back at once left it alone on the prefix's board after the other shards had committed (64
   peers in groups of 8: one peer in no group in 14 of 20 seeds), and sending every shard's rest
   there instead put half of the swarm on that board (64 peers read 961 records per round each,
