@@ -476,6 +476,39 @@ def test_a_stray_visits_the_sibling_shards_until_its_scheduled_time_then_falls_b
     assert late.fall_back and late.hop == 0, "its scheduled time came: it falls back"
 
 
+def test_a_stray_that_went_round_its_coarser_shard_goes_on_round_a_cousin_shard() -> None:
+    # depth 2, groups of 4: shard (a, b) with a the oldest digit. Visits 1-3 move a only (the siblings of
+    # coarser shard b); visit 4 has been round that ring, so b moves on too: the stray goes round coarser
+    # shard b + 1, and so on, an odometer over the shard's digits that visits all 16 shards in turn. A
+    # coarser shard's rests need not add up to groups: 200 peers in groups of 4 left 5 over in one of
+    # them and groups of 3 with room in others, one live peer in no group in 25 of 40 seeds
+    digits, seen = (7, 7, 3, 3), []
+    for hop in range(1, 17):
+        digits = sibling(digits, 2, 4, hop)
+        assert digits[:2] == (7, 7), "only the shard's digits move"
+        seen.append(digits[-2:])
+    assert seen[:4] == [(0, 3), (1, 3), (2, 3), (3, 0)]
+    assert len(set(seen)) == 16 and seen[-1] == (3, 3), "every shard once, its own last"
+    assert sibling((0, 3, 1), 1, 4, 4) == (0, 3, 2), "depth 1: one ring (the prefix's), no carry"
+    cfg = config(target_group_size=4, digits=(0, 2, 3), shard_depth=2, expected_group_size=200)
+    me = shard_peer(1, cfg.digits, cfg, declared_at=10.0, ready_at=20.0)
+    moved, _, _ = fall_back(me, 19.6, cfg, 4)
+    assert moved.digits == (0, 3, 0) and moved.group_key == "run.m4.3-0"
+
+
+def test_a_200_peer_swarm_in_groups_of_4_leaves_no_live_peer_over() -> None:
+    # 200 simulated peers in groups of 4, 0% dying, seed 5 (as benchmarks/scale.py runs them): one coarser
+    # shard's rests came to 5 peers, the rest groups of the other coarser shards had room; the stray that
+    # only went round its own coarser shard fell back alone at its scheduled time (see rotation.sibling)
+    cfg = config(prefix="sim", target_group_size=4, min_matchmaking_time=1.0)
+    peers = [simulated_peer_id(i) for i in range(200)]
+    coordinates = {p: initial_digits(p, 4) for p in peers}
+    result = simulate_round(coordinates, cfg, swarm_size=200, seed=5, max_lag=0.05, spread=0.5, scheduled_time=1.0)
+    committed(dict(result.groups))
+    assert result.ungrouped == (), "a live peer was left in no group"
+    assert result.polls_to_group <= 10
+
+
 def _seal_of(peers: list[Declaration], cfg: MatchmakingConfig, start_at: float) -> SealedGroup:
     members = tuple(sorted((d.member for d in peers), key=lambda m: m.key))
     return SealedGroup(group_id_for(members), members, commit_by=start_at + 0.5, start_at=start_at)

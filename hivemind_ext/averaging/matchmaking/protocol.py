@@ -217,7 +217,7 @@ def fall_back(
     marker that withdraws the old attempt, to store on the old shard's board."""
     _, left = _mark(me, None, now, config)
     if hop:
-        moved = replace(config, digits=sibling(config.digits, config.shard_depth, config.target_group_size or 1))
+        moved = replace(config, digits=sibling(config.digits, config.shard_depth, config.target_group_size or 1, hop))
     else:
         moved = replace(config, shard_depth=coarser(config.shard_depth))
     member = replace(me.member, attempt=next_attempt(me.member.attempt))

@@ -43,8 +43,9 @@ each member drops its oldest digit and appends a new one, dealt by the group: th
   ``M`` (fewer than ``min_group_size`` left), or a shard of one. At the latest when it would be
   planned ahead, it visits the next sibling shard (:func:`sibling`: the same coarser shard, the
   shard's oldest digit moved on by one), a board of about one group, where a group with room takes it
-  in or it joins that shard's plan; it goes on round the siblings (its own shard among them) until
-  its scheduled time, then falls back as above.
+  in or it joins that shard's plan; it goes on round the siblings, then round the next coarser
+  shard's (an odometer over the shard's digits: one coarser shard's rests need not add up to groups),
+  until its scheduled time, then falls back as above.
   Falling back at once left it alone on the prefix's board after the other shards had committed (64
   peers in groups of 8: one peer in no group in 14 of 20 seeds), and sending every shard's rest
   there instead put half of the swarm on that board (64 peers read 961 records per round each,
@@ -194,15 +195,23 @@ def coarser(depth: int) -> int:
     return max(0, depth - 1)
 
 
-def sibling(digits: Digits, depth: int, base: int) -> Digits:
+def sibling(digits: Digits, depth: int, base: int, hop: int = 1) -> Digits:
     """The coordinates a stray declares with to visit the next sibling shard (see "Strays" above): the
     shard's oldest digit (``digits[-depth]``) moved on by one, modulo ``base``; the shards of one
-    coarser shard are visited in turn. Only the declaration changes: the peer's own coordinates, which
-    its groups move, stay as they were."""
+    coarser shard are visited in turn. On its ``hop``-th visit, a multiple of ``base``, the stray has
+    been round its coarser shard's ring, and the next digit moves on by one too (and so on, an
+    odometer over the shard's digits): it goes on round the ring of a cousin shard. Within one coarser
+    shard the rests need not add up to groups (200 peers in groups of 4: 5 peers over in one coarser
+    shard, groups of 3 with room in the others; one peer in no group in 25 of 40 seeds). Only the
+    declaration changes: the peer's own coordinates, which its groups move, stay as they were."""
     if depth <= 0 or depth > len(digits):
         return tuple(digits)
-    index = len(digits) - depth
-    return (*digits[:index], (digits[index] + 1) % base, *digits[index + 1 :])
+    moved, index = list(digits), len(digits) - depth
+    for level in range(depth):
+        moved[index + level] = (moved[index + level] + 1) % base
+        if base < 2 or hop % base ** (level + 1):
+            break
+    return tuple(moved)
 
 
 def ranking(digits: Digits) -> Digits:
