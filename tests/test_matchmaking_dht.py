@@ -670,8 +670,8 @@ async def _count_finds(key: str, _dht: Any, node: Any) -> int:
 
     key_id = DHTID.generate(source=key)
     counts = node.__dict__.setdefault("_test_find_counts", {})
-    if "_test_original_call_find" not in node.__dict__:
-        original = node._test_original_call_find = node.protocol.call_find
+    if "test_original_call_find" not in node.__dict__:
+        original = node.test_original_call_find = node.protocol.call_find
 
         async def counting(peer: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
             for searched in keys:
@@ -691,26 +691,34 @@ async def _holds(key: str, subkey: bytes, _dht: Any, node: Any) -> bool:
 
 
 def _nowait_store_then_read_by_another(swarm, after_read: bool) -> tuple[int, set[int]]:
-    """Peer 0 stores a record without waiting (``_store_nowait``, after a read of the board if
-    ``after_read``); peer 1 must read it, and the DHTs that hold it must be those a searching store
-    puts a record under the same key on. Returns how many searches for the board's key peer 0's DHT
-    made for the store, and which DHTs hold the record."""
+    """Peer 0's DHT stores a record as the matchmaker's stores that nobody waits for do
+    (:func:`.dht_store.store_direct`, after a read of the board if ``after_read``); peer 1 must read
+    it, and the DHTs that hold it must be those a searching store puts a record under the same key
+    on. Returns how many searches for the board's key peer 0's DHT made for the store, and which
+    DHTs hold the record."""
     from hivemind_ext.averaging.matchmaking.board import Write
+    from hivemind_ext.averaging.matchmaking.dht_store import store_direct, store_then_read
+    from hivemind_ext.p2p.signing import owner_marker, signed_subkey
 
     writer, reader = matchmaker(swarm, 0, prefix()), matchmaker(swarm, 1, prefix())
     reader.config = writer.config
-    key, token = writer._key, secrets.token_hex(8)
+    key, token = board_key(writer.config.group_key), secrets.token_hex(8)
+    owner = owner_marker(default_signing_key(swarm[0]))  # the key the writer's matchmaker signs with
 
-    async def scenario() -> tuple[int, bool, set[int]]:
-        await writer.prepare(timeout=10)
+    def signed(tag: str) -> Write:
+        subkey = signed_subkey(f"{tag}-{token}", writer.peer_id.to_base58(), owner)
+        return Write(subkey, {"token": token}, get_dht_time() + 30)
+
+    async def scenario() -> tuple[int, bool, set[int], set[int]]:
+        await writer.prepare(timeout=10)  # installs the signing validators on its DHT
         await reader.prepare(timeout=10)
         deadline = get_dht_time() + 20
         if after_read:
-            await writer._exchange((), True, deadline)
+            swarm[0].run_coroutine(functools.partial(store_then_read, key, (), True, False))
         before = swarm[0].run_coroutine(functools.partial(_count_finds, key))
-        write = Write(f"probe-{token}", {"token": token}, get_dht_time() + 30)
-        writer._store_nowait(write, key)
-        subkey, seen = writer._signed(write.subkey), False
+        probe = signed("probe")
+        swarm[0].run_coroutine(functools.partial(store_direct, key, (probe,)))
+        subkey, seen = probe.subkey, False
         while not seen and get_dht_time() < deadline:
             await asyncio.sleep(0.05)
             found = swarm[1].get(key, latest=True)
@@ -719,9 +727,10 @@ def _nowait_store_then_read_by_another(swarm, after_read: bool) -> tuple[int, se
         searches = swarm[0].run_coroutine(functools.partial(_count_finds, key)) - before
         holders = {i for i, dht in enumerate(swarm) if dht.run_coroutine(functools.partial(_holds, key, subkey))}
         # where a searching store (every other matchmaking store) puts a record under the same key
-        searched = Write(f"searched-{token}", {"token": token}, get_dht_time() + 30)
-        assert (await writer._exchange((searched,), False, deadline, all_replicas=True))[0]
-        other = writer._signed(searched.subkey)
+        searched = signed("searched")
+        stored, _ = swarm[0].run_coroutine(functools.partial(store_then_read, key, (searched,), False, True))
+        assert stored
+        other = searched.subkey
         expected = {i for i, dht in enumerate(swarm) if dht.run_coroutine(functools.partial(_holds, key, other))}
         return searches, seen, holders, expected
 

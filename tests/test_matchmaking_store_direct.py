@@ -12,7 +12,7 @@ from typing import Any
 from hivemind.dht.routing import DHTID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from hivemind_ext.averaging.matchmaking import matchmaker as mm
+from hivemind_ext.averaging.matchmaking import dht_store as ds
 from hivemind_ext.averaging.matchmaking.board import Write
 
 KEY = "board-key"
@@ -49,7 +49,7 @@ def fake_node(answer: Any = True, num_replicas: int = 3) -> tuple[Any, list[DHTI
 def remember(node: Any, others: list[DHTID], age: float = 0.0) -> None:
     key_id = DHTID.generate(source=KEY)
     memory = {key_id: (time.monotonic() - age, [(node_id, f"peer-{i}") for i, node_id in enumerate(others)])}
-    setattr(node, mm._NEAREST_ATTR, memory)
+    setattr(node, ds.NEAREST_ATTR, memory)
 
 
 def run_direct(node: Any, monkeypatch: Any) -> tuple[Any, list[Any]]:
@@ -59,9 +59,9 @@ def run_direct(node: Any, monkeypatch: Any) -> tuple[Any, list[Any]]:
         searched.append(writes)
         return True, None
 
-    monkeypatch.setattr(mm, "_store_then_read", searching)
+    monkeypatch.setattr(ds, "store_then_read", searching)
     write = Write("probe", {"x": 1}, get_dht_time() + 30)
-    return asyncio.run(mm._store_direct(KEY, (write,), None, node)), searched
+    return asyncio.run(ds.store_direct(KEY, (write,), None, node)), searched
 
 
 def test_it_stores_on_the_nearest_nodes_itself_included_without_a_search(monkeypatch) -> None:
@@ -78,7 +78,7 @@ def test_without_a_fresh_read_it_searches(monkeypatch) -> None:
     node, others = fake_node()
     (_, _), searched = run_direct(node, monkeypatch)  # never read
     assert len(searched) == 1 and not node.protocol.stores
-    remember(node, others, age=mm.NEAREST_TTL + 1)  # read too long ago
+    remember(node, others, age=ds.NEAREST_TTL + 1)  # read too long ago
     (_, _), searched = run_direct(node, monkeypatch)
     assert len(searched) == 1 and not node.protocol.stores
 
@@ -88,14 +88,14 @@ def test_a_replica_that_does_not_answer_makes_it_search_and_forget_the_nodes(mon
     remember(node, others)
     (_, _), searched = run_direct(node, monkeypatch)
     assert len(searched) == 1
-    assert DHTID.generate(source=KEY) not in getattr(node, mm._NEAREST_ATTR)
+    assert DHTID.generate(source=KEY) not in getattr(node, ds.NEAREST_ATTR)
 
 
 def test_watching_a_node_remembers_where_its_gets_ended() -> None:
     calls: list[Any] = []
-    node = SimpleNamespace(_cache_new_result=lambda *args, **kwargs: calls.append(args))
-    memory = mm._watch_searches(node)
-    assert mm._watch_searches(node) is memory  # installed once
+    node = SimpleNamespace(**{ds.HIVEMIND_HOOK: lambda *args, **kwargs: calls.append(args)})
+    memory = ds.watch_searches(node)
+    assert ds.watch_searches(node) is memory  # installed once
     key_id, near = DHTID.generate(source=KEY), DHTID.generate()
-    node._cache_new_result(SimpleNamespace(key_id=key_id), [near], {near: "peer"}, _is_refresh=False)
+    getattr(node, ds.HIVEMIND_HOOK)(SimpleNamespace(key_id=key_id), [near], {near: "peer"}, _is_refresh=False)
     assert len(calls) == 1 and memory[key_id][1] == [(near, "peer")]

@@ -13,6 +13,8 @@ Which file does what:
 - :mod:`.pace`: the protocol's poll interval, stretched to the time this peer's DHT reads take;
 - :mod:`.matchmaker`: :class:`Matchmaker`, the thin I/O around the state machine (DHT reads and
   writes with deadlines);
+- :mod:`.dht_store`: what the matchmaker runs inside the DHT process: a poll's store and read, and
+  stores nobody waits for sent to the nodes of the last read, without a search;
 - :mod:`.confirmation`: members confirm a sealed group by one libp2p call to its leader, whose
   answer is the commit (the DHT board is kept for discovery);
 - :mod:`.simulation`: many peers running the state machine over a simulated lagging DHT (tests,

@@ -19,7 +19,7 @@ every peer polls it with
 it is being formed and for the first ``EAGER_POLLS`` poll intervals after it starts looking (peers
 of synchronous training start together), and feeds what it read to the pure state machine
 :func:`.protocol.step`, which applies the grouping rule of :func:`.group.plan_groups`. Each
-poll is one call into the DHT process (:func:`_store_then_read`): the step's records are stored in
+poll is one call into the DHT process (:func:`.dht_store.store_then_read`): the step's records are stored in
 one ``store_many`` (one request per replica), and right after a declaration the board is read in
 the same call, so peers that declared at the same moment see each other without waiting a poll.
 Both the store and the read look for only the ``num_replicas`` nodes nearest to the board's key
@@ -156,9 +156,6 @@ from collections.abc import Callable
 from typing import Any
 
 from hivemind import DHT
-from hivemind.dht import DHTNode
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
@@ -166,6 +163,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind_ext.averaging.matchmaking.authenticity import authenticate_board
 from hivemind_ext.averaging.matchmaking.board import Write, board_key, parse_board
 from hivemind_ext.averaging.matchmaking.confirmation import Confirmations, with_commit, with_confirmations
+from hivemind_ext.averaging.matchmaking.dht_store import store_direct, store_then_read
 from hivemind_ext.averaging.matchmaking.group import (
     Board,
     Commit,
@@ -560,7 +558,7 @@ class Matchmaker:
         call failed). The protocol tolerates lost writes (except a leader's commit), so a failed
         write is only logged."""
         signed = tuple(dataclasses.replace(write, subkey=self._signed(write.subkey)) for write in writes)
-        request = functools.partial(_store_then_read, self._key, signed, read, all_replicas)
+        request = functools.partial(store_then_read, self._key, signed, read, all_replicas)
         # at most request_timeout, and never past the deadline (a DHT time: converted to the loop clock)
         timeout = max(0.0, min(self.config.request_timeout, deadline - get_dht_time()))
         started = time.monotonic()
@@ -615,10 +613,10 @@ class Matchmaker:
         DHT thread's CPU during each 4 KiB all-reduce went from 45 to 25 ms in 3-round runs, and
         from 108-114 to 99 ms in 8-round runs, whose boards hold more rounds' records). What is
         left there was mostly these stores' own search: each node it asks answers with the board, so
-        now they skip it where they can (see :func:`_store_direct`)."""
+        now they skip it where they can (see :func:`.dht_store.store_direct`)."""
         try:
             signed = dataclasses.replace(write, subkey=self._signed(write.subkey))
-            self._dht_calls.run_coroutine_nowait(functools.partial(_store_direct, key, (signed,)))
+            self._dht_calls.run_coroutine_nowait(functools.partial(store_direct, key, (signed,)))
         except Exception as e:  # a DHT that is already shut down cannot take the store
             logger.debug("could not store matchmaking record %s: %r", write.subkey, e)
 
@@ -646,128 +644,3 @@ def _record_bytes(subkey: Any, value: Any) -> int:
         return size + len(MSGPackSerializer.dumps(value))
     except Exception:  # a value msgpack cannot encode came from a hostile writer: count its subkey only
         return size
-
-
-async def _store_then_read(
-    key: str, writes: tuple[Write, ...], read: bool, all_replicas: bool, _dht: DHT, node: DHTNode
-) -> tuple[bool, list[tuple[Any, Any, float]] | None]:
-    """Runs inside the DHT process (see ``DHT.run_coroutine``): one store of all ``writes`` (one
-    request per replica, which applies them in order: whoever sees the leader's marker also sees its
-    group), then one ``get(latest=True)`` if ``read``. Returns plain values, as they cross a pipe.
-
-    Both search only the ``num_replicas`` nearest nodes (see the module docstring); the store returns
-    after the first replica took the writes unless ``all_replicas`` (the commit), and reports what
-    that replica answered."""
-    stored = True
-    if writes:
-        outcome = await node.store_many(
-            [key] * len(writes),
-            [write.value for write in writes],
-            [write.expiration_time for write in writes],
-            subkeys=[write.subkey for write in writes],
-            await_all_replicas=all_replicas,
-            await_all_tasks=all_replicas,
-            beam_size=node.num_replicas,
-        )
-        stored = all(outcome.values())
-    if not read:
-        return stored, None
-    _watch_searches(node)
-    found = await node.get(key, latest=True, beam_size=node.num_replicas)
-    value = getattr(found, "value", None)  # None: nobody has written under the key yet
-    entries = value.items() if isinstance(value, dict) else ()
-    return stored, [(subkey, item.value, item.expiration_time) for subkey, item in entries]
-
-
-NEAREST_TTL = 30.0  # seconds a read's nearest nodes stay good for the stores that skip the search
-_NEAREST_ATTR = "_hivemind_ext_nearest"
-_NEAREST_KEYS = 256  # keys remembered per DHT node (the oldest are forgotten)
-
-
-def _watch_searches(node: DHTNode) -> dict[Any, tuple[float, list[tuple[Any, PeerID]]]]:
-    """Makes ``node`` remember, per key id, where its last search by ``get`` ended: the nodes nearest to
-    the key (nearest first, with their peer ids) and when (loop clock). Installed once per node (in the
-    DHT process), around hivemind's ``DHTNode._cache_new_result``, the one place a finished get's
-    nearest nodes are handed to; a hivemind without it leaves nothing to remember, and every store
-    then searches."""
-    memory = getattr(node, _NEAREST_ATTR, None)
-    if memory is not None:
-        return memory
-    memory = {}
-    setattr(node, _NEAREST_ATTR, memory)
-    original = getattr(node, "_cache_new_result", None)
-    if original is None:
-        return memory
-
-    def remembering(*args: Any, **kwargs: Any) -> Any:
-        try:  # hivemind 1.1.10-1.1.12 pass (search, nearest_nodes, node_to_peer_id, ...) by position
-            search, nearest_nodes, node_to_peer_id = args[:3]
-            nearest = [(node_id, node_to_peer_id[node_id]) for node_id in nearest_nodes if node_id in node_to_peer_id]
-            memory.pop(search.key_id, None)
-            memory[search.key_id] = (time.monotonic(), nearest)
-            while len(memory) > _NEAREST_KEYS:
-                memory.pop(next(iter(memory)))
-        except Exception:  # never break hivemind's get
-            pass
-        return original(*args, **kwargs)  # whatever hivemind passes, unchanged
-
-    node._cache_new_result = remembering
-    return memory
-
-
-async def _store_direct(key: str, writes: tuple[Write, ...], _dht: DHT, node: DHTNode) -> tuple[bool, None]:
-    """Runs inside the DHT process: a store nobody waits for (:meth:`Matchmaker._store_nowait`), sent
-    straight to the ``num_replicas`` nodes nearest to the board's key, as this node's last read of the
-    board found them (within ``NEAREST_TTL``), this node included where it is one of them: the very
-    nodes a searching store would pick (``store_many`` takes the nearest of its search's result plus
-    itself, and its search is the read's, with the same beam), so a later read, which asks those
-    nodes, finds the records. It skips the search, whose every answer carries the whole board, which
-    this process would validate record by record. Without a fresh read of the key, or if any replica
-    does not answer, it stores through :func:`_store_then_read` (a search) instead.
-
-    Measured with benchmarks/scale.py's real 8 peers in one process (groups of 8, 4 KiB, 2 shared
-    cores, 6 runs each, alternated): all-reduce 0.065-0.072 s (before: 0.083-0.218 s), Python CPU
-    per peer and round 0.054-0.072 s (before: 0.053-0.079 s, median 0.067 against 0.055); the round
-    trace's DHT requests served during the all-reduce went from 7-30 rpc_find to 0-7."""
-    key_id = DHTID.generate(source=key)
-    memory = getattr(node, _NEAREST_ATTR, None) or {}
-    known = memory.get(key_id)
-    if not writes or known is None or time.monotonic() - known[0] > NEAREST_TTL:
-        return await _store_then_read(key, writes, False, False, _dht, node)
-    candidates = [*known[1], (node.node_id, node.peer_id)]
-    targets = sorted(dict(candidates).items(), key=lambda item: key_id.xor_distance(item[0]))[: node.num_replicas]
-    protocol = node.protocol
-    records = []
-    for write in writes:
-        record = DHTRecord(
-            key_id.to_bytes(),
-            protocol.serializer.dumps(write.subkey),
-            protocol.serializer.dumps(write.value),
-            write.expiration_time,
-        )
-        if protocol.record_validator is not None:
-            record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
-        records.append(record)
-    calls, local = [], True
-    for node_id, peer_id in targets:
-        if node_id == node.node_id:  # as store_many stores on itself
-            for write, record in zip(writes, records, strict=True):
-                if protocol.record_validator is None or protocol.record_validator.validate(record):
-                    local = protocol.storage.store(key_id, record.value, record.expiration_time, subkey=write.subkey)
-                else:
-                    local = False
-        else:
-            calls.append(
-                protocol.call_store(
-                    peer_id,
-                    keys=[key_id] * len(records),
-                    values=[record.value for record in records],
-                    expiration_time=[write.expiration_time for write in writes],
-                    subkeys=[write.subkey for write in writes],
-                )
-            )
-    answers = await asyncio.gather(*calls, return_exceptions=True)
-    if any(answer is None or isinstance(answer, BaseException) for answer in answers):
-        memory.pop(key_id, None)  # the nearest nodes changed: search again
-        return await _store_then_read(key, writes, False, False, _dht, node)
-    return bool(local) and all(all(answer) for answer in answers), None
