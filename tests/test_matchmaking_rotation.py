@@ -500,10 +500,20 @@ def test_a_200_peer_swarm_in_groups_of_4_leaves_no_live_peer_over() -> None:
     # 200 simulated peers in groups of 4, 0% dying, seed 5 (as benchmarks/scale.py runs them): one coarser
     # shard's rests came to 5 peers, the rest groups of the other coarser shards had room; the stray that
     # only went round its own coarser shard fell back alone at its scheduled time (see rotation.sibling)
-    cfg = config(prefix="sim", target_group_size=4, min_matchmaking_time=1.0)
-    peers = [simulated_peer_id(i) for i in range(200)]
-    coordinates = {p: initial_digits(p, 4) for p in peers}
-    result = simulate_round(coordinates, cfg, swarm_size=200, seed=5, max_lag=0.05, spread=0.5, scheduled_time=1.0)
+    _assert_every_live_peer_grouped(200, 4, seed=5)
+
+
+def _assert_every_live_peer_grouped(count: int, group: int, seed: int, dying: int = 0) -> None:
+    """A round of ``count`` simulated peers in groups of ``group`` with hashed coordinates, ``dying``
+    of them dying after they declare, as benchmarks/scale.py's simulate_polls runs it: every live peer
+    ends in a committed group, within 10 polls (issue 14)."""
+    cfg = config(prefix="sim", target_group_size=group, min_matchmaking_time=1.0)
+    peers = [simulated_peer_id(i) for i in range(count)]
+    coordinates = {p: initial_digits(p, group) for p in peers}
+    dead = random.Random(seed).sample(peers, dying)
+    result = simulate_round(
+        coordinates, cfg, swarm_size=count, seed=seed, max_lag=0.05, spread=0.5, dying=dead, scheduled_time=1.0
+    )
     committed(dict(result.groups))
     assert result.ungrouped == (), "a live peer was left in no group"
     assert result.polls_to_group <= 10
@@ -589,16 +599,7 @@ def test_a_group_with_room_on_a_shard_waits_for_a_higher_rival_seal_of_its_membe
 def test_a_1000_peer_swarm_with_dead_peers_leaves_no_live_peer_over_where_two_strays_sealed_one_peer() -> None:
     # 1,000 simulated peers in groups of 8, 2% dying, seed 10 (as benchmarks/scale.py runs them): see
     # protocol._rivals
-    cfg = config(prefix="sim", target_group_size=8, min_matchmaking_time=1.0)
-    peers = [simulated_peer_id(i) for i in range(1000)]
-    coordinates = {p: initial_digits(p, 8) for p in peers}
-    dying = random.Random(10).sample(peers, 20)
-    result = simulate_round(
-        coordinates, cfg, swarm_size=1000, seed=10, max_lag=0.05, spread=0.5, dying=dying, scheduled_time=1.0
-    )
-    committed(dict(result.groups))
-    assert result.ungrouped == (), "a live peer was left in no group"
-    assert result.polls_to_group <= 10
+    _assert_every_live_peer_grouped(1000, 8, seed=10, dying=20)
 
 
 def test_a_1000_peer_swarm_leaves_no_live_peer_over_where_a_leader_ignored_its_stray() -> None:
@@ -606,13 +607,7 @@ def test_a_1000_peer_swarm_leaves_no_live_peer_over_where_a_leader_ignored_its_s
     # that joined a lower leader's rival seal was ignored for the round by the leader it left; its group
     # broke up, the one group with room on its shard (that leader's) did not take it in, and it fell back
     # alone to the prefix's board, the last live peer in no group (also seed 11; protocol._strays)
-    cfg = config(prefix="sim", target_group_size=8, min_matchmaking_time=1.0)
-    peers = [simulated_peer_id(i) for i in range(1000)]
-    coordinates = {p: initial_digits(p, 8) for p in peers}
-    result = simulate_round(coordinates, cfg, swarm_size=1000, seed=17, max_lag=0.05, spread=0.5, scheduled_time=1.0)
-    committed(dict(result.groups))
-    assert result.ungrouped == (), "a live peer was left in no group"
-    assert result.polls_to_group <= 10
+    _assert_every_live_peer_grouped(1000, 8, seed=17)
 
 
 @pytest.mark.parametrize(("count", "base", "seeds"), [(64, 8, range(5)), (16, 4, range(20))])
