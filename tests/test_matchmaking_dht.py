@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import math
 import secrets
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import hivemind
@@ -374,16 +375,25 @@ class SilentDesk(Confirmations):
         raise AssertionError("unreachable")
 
 
-async def _desks(network: Network, indices: Sequence[int], desk_of: dict[int, type[Confirmations]]):
-    """A fresh scope per test (its handlers go away with it) and one desk per peer."""
+@contextlib.asynccontextmanager
+async def _desks(
+    network: Network, indices: Sequence[int], desk_of: dict[int, type[Confirmations]]
+) -> AsyncIterator[list[Confirmations]]:
+    """One desk per peer, in a fresh scope per test whose handlers go away with it when the block
+    ends (also if a desk failed to start)."""
     namespace = f"mm-{secrets.token_hex(4)}"
-    scopes = [network.servers[i].scope(namespace) for i in indices]
-    desks = []
-    for i, scope in zip(indices, scopes, strict=True):
-        desk = desk_of.get(i, Confirmations)(RPCClient(network.p2ps[i], namespace), scope)
-        await desk.start()
-        desks.append(desk)
-    return scopes, desks
+    scopes = []
+    try:
+        desks = []
+        for i in indices:
+            scopes.append(network.servers[i].scope(namespace))
+            desk = desk_of.get(i, Confirmations)(RPCClient(network.p2ps[i], namespace), scopes[-1])
+            await desk.start()
+            desks.append(desk)
+        yield desks
+    finally:
+        for scope in scopes:
+            await scope.shutdown()
 
 
 def direct_matchmakers(swarm, indices, desks, name: str, **overrides) -> list[Matchmaker]:
@@ -412,8 +422,7 @@ def test_a_direct_leader_lets_its_answers_out_before_it_returns_its_group(swarm,
             return response
 
     async def scenario():
-        scopes, desks = await _desks(network, indices, dict.fromkeys(indices, RecordingDesk))
-        try:
+        async with _desks(network, indices, dict.fromkeys(indices, RecordingDesk)) as desks:
             matchmakers = direct_matchmakers(swarm, indices, desks, name)
             leader = matchmakers[indices.index(by_peer_id(swarm, indices)[0])]
             looking = leader.look_for_group
@@ -425,9 +434,6 @@ def test_a_direct_leader_lets_its_answers_out_before_it_returns_its_group(swarm,
 
             leader.look_for_group = leader_look
             return await look(matchmakers, timeout=20)
-        finally:
-            for scope in scopes:
-                await scope.shutdown()
 
     (group,) = groups_of(network.run(scenario())).values()
     assert len(group.members) == 4
@@ -439,14 +445,10 @@ def test_members_confirm_with_their_leader_by_one_call(swarm, network) -> None:
     indices, name = (0, 1, 2, 3), prefix()
 
     async def scenario():
-        scopes, desks = await _desks(network, indices, {})
-        try:
+        async with _desks(network, indices, {}) as desks:
             started = time.perf_counter()
             results = await look(direct_matchmakers(swarm, indices, desks, name), timeout=20)
             return results, time.perf_counter() - started, desks
-        finally:
-            for scope in scopes:
-                await scope.shutdown()
 
     results, elapsed, desks = network.run(scenario())
     (group,) = groups_of(results).values()
@@ -464,13 +466,12 @@ def test_a_direct_group_stores_its_records_on_the_nearest_replicas_only(swarm, n
     as the round's all-reduce starts. They used to go through ``dht.store``, whose search (hivemind's
     beam of 20) visits every node of a small swarm and validates the whole board each one answers
     with: in benchmarks/scale.py that work took the CPU the all-reduce needed. Every matchmaking store
-    now searches only the ``num_replicas`` nearest nodes (``_store_then_read``, run in the DHT)."""
+    now searches only the ``num_replicas`` nearest nodes, or none after a read (``dht_store``, run in the DHT)."""
     indices, name = (0, 1, 2, 3), prefix()
     dhts = {i: FaultyDHT(swarm[i]) for i in indices}
 
     async def scenario():
-        scopes, desks = await _desks(network, indices, {})
-        try:
+        async with _desks(network, indices, {}) as desks:
             matchmakers = [
                 Matchmaker(
                     matchmaker(swarm, i, name).config,
@@ -481,9 +482,6 @@ def test_a_direct_group_stores_its_records_on_the_nearest_replicas_only(swarm, n
                 for i, desk in zip(indices, desks, strict=True)
             ]
             return await look(matchmakers, timeout=20)
-        finally:
-            for scope in scopes:
-                await scope.shutdown()
 
     (group,) = groups_of(network.run(scenario())).values()
     assert len(group.members) == 4
@@ -527,8 +525,7 @@ def test_a_direct_leader_commits_on_its_members_calls_without_reading_the_board_
     slow = SlowPolls(swarm[leader], delay=3.0)
 
     async def scenario():
-        scopes, desks = await _desks(network, (leader, *members), {})
-        try:
+        async with _desks(network, (leader, *members), {}) as desks:
             config = matchmaker(swarm, leader, name, request_timeout=5.0).config
             leading = Matchmaker(
                 config, dht=slow, signing_key=default_signing_key(swarm[leader]), confirmations=desks[0]
@@ -540,9 +537,6 @@ def test_a_direct_leader_commits_on_its_members_calls_without_reading_the_board_
             started = time.perf_counter()
             mine = await leading.look_for_group(deadline=deadline)
             return [mine, *(await asyncio.gather(*looking))], time.perf_counter() - started
-        finally:
-            for scope in scopes:
-                await scope.shutdown()
 
     results, elapsed = network.run(scenario())
     (group,) = groups_of(results).values()
@@ -559,8 +553,7 @@ def test_the_leader_refuses_forged_replayed_and_oversized_confirmations(swarm, n
     sealed = SealedGroup(group_id_for(members), members, get_dht_time() + 5, direct=True)
 
     async def scenario():
-        scopes, (desk, member_desk, stranger_desk) = await _desks(network, (leader, member, stranger), {})
-        try:
+        async with _desks(network, (leader, member, stranger), {}) as (desk, member_desk, stranger_desk):
             desk.open(sealed)
             raw = stranger_desk.client
             to_leader = functools.partial(raw.call, swarm[leader].peer_id, HANDLER, timeout=5)
@@ -581,9 +574,6 @@ def test_the_leader_refuses_forged_replayed_and_oversized_confirmations(swarm, n
             # a confirmation replayed after the commit gets that commit, which does not list the stranger
             late = await to_leader(Message(confirmation_request(sealed.group_id, (ids[stranger], "2" * 16))))
             return answers, commit, late, desk.refused
-        finally:
-            for scope in scopes:
-                await scope.shutdown()
 
     answers, commit, late, refused = network.run(scenario())
     assert all(set(answer.header) == {"error"} for answer in answers), answers
@@ -608,16 +598,12 @@ def test_the_leader_answers_the_commit_of_a_large_group(swarm, network) -> None:
     sealed = SealedGroup(group_id_for(members), members, get_dht_time() + 5, direct=True)
 
     async def scenario():
-        scopes, (desk, member_desk) = await _desks(network, (leader, member), {})
-        try:
+        async with _desks(network, (leader, member), {}) as (desk, member_desk):
             desk.open(sealed)
             honest = asyncio.create_task(member_desk.confirm(sealed, members[1].key, timeout=5))
             await _until_true(lambda: bool(desk.confirmed(sealed.group_id)))
             desk.settle(Commit(sealed.group_id, tuple(m.key for m in members)))
             return await honest
-        finally:
-            for scope in scopes:
-                await scope.shutdown()
 
     commit = network.run(scenario())
     assert commit.members == tuple(m.key for m in members)
@@ -638,14 +624,13 @@ def test_honest_peers_leave_a_hostile_leader_and_regroup(swarm, network, desk) -
     hostile, honest = indices[0], indices[1:]  # the lowest peer id leads the group of the four
 
     async def scenario():
-        scopes, desks = await _desks(network, indices, {hostile: desk})
-        # min_group_size=3: the honest peers leave the hostile leader at one moment (its commit time plus
-        # request_timeout) and declare new attempts; with 2, the lowest of them sealed and committed a pair
-        # when the third's new declaration was one read late on the board it sealed from (a loaded machine:
-        # 2 of 6 runs), and that third was left with nobody but the peer it shuns, until its deadline.
-        # With 3, the three honest peers are the one group the protocol can form, which is what is asserted.
-        matchmakers = direct_matchmakers(swarm, indices, desks, name, min_matchmaking_time=1.5, min_group_size=3)
-        try:
+        async with _desks(network, indices, {hostile: desk}) as desks:
+            # min_group_size=3: the honest peers leave the hostile leader at one moment (its commit time plus
+            # request_timeout) and declare new attempts; with 2, the lowest of them sealed and committed a pair
+            # when the third's new declaration was one read late on the board it sealed from (a loaded machine:
+            # 2 of 6 runs), and that third was left with nobody but the peer it shuns, until its deadline.
+            # With 3, the three honest peers are the one group the protocol can form, which is what is asserted.
+            matchmakers = direct_matchmakers(swarm, indices, desks, name, min_matchmaking_time=1.5, min_group_size=3)
             started = time.perf_counter()
             hostile_task = asyncio.create_task(matchmakers[0].look_for_group(deadline=get_dht_time() + 6))
             results = await look(matchmakers[1:], timeout=15)
@@ -653,9 +638,6 @@ def test_honest_peers_leave_a_hostile_leader_and_regroup(swarm, network, desk) -
             hostile_task.cancel()
             await asyncio.gather(hostile_task, return_exceptions=True)
             return results, elapsed
-        finally:
-            for scope in scopes:
-                await scope.shutdown()
 
     results, elapsed = network.run(scenario())
     (group,) = groups_of(results).values()
